@@ -1,0 +1,186 @@
+"""Model configuration: one dataclass for every supported family, read from and written to HF config.json."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import EngineError
+
+DENSE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size",
+              "first_k_dense_replace", "moe_layer_freq", "routed_scaling_factor", "n_group", "topk_group",
+              "norm_topk_prob", "topk_method", "scoring_func", "rope_interleave")
+SUPPORTED_TYPES = DENSE_TYPES + ("deepseek_v3",)
+
+
+@dataclass
+class ModelConfig:
+    model_type: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 14336
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "llama3" | "yarn", ...}
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head's q and k
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    # DeepSeek-V3 / Kimi-K2: multi-head latent attention (MLA) ...
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # ... and mixture of experts
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    n_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    topk_method: str = "noaux_tc"
+    scoring_func: str = "sigmoid"
+    rope_interleave: bool = True
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)  # unknown keys, kept for round trips
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_TYPES:
+            raise EngineError(
+                f"unsupported model_type {self.model_type!r}; supported: {', '.join(SUPPORTED_TYPES)}"
+            )
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.model_type == "qwen3":
+            self.qk_norm = True
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+            if getattr(self, name) <= 0:
+                raise EngineError(f"config field {name} must be positive, got {getattr(self, name)}")
+        if not self.is_mla and self.num_attention_heads % self.num_key_value_heads:
+            raise EngineError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+
+    @property
+    def is_mla(self) -> bool:
+        return self.model_type == "deepseek_v3"
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        eos = self.eos_token_id
+        return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (
+            self.n_routed_experts > 0
+            and i >= self.first_k_dense_replace
+            and i % max(self.moe_layer_freq, 1) == 0
+        )
+
+    def default_aux_layers(self) -> tuple[int, int, int]:
+        """EAGLE-3's three feature layers: the residual streams entering layers 2, L//2 and L-3."""
+        n = self.num_hidden_layers
+        return (2, n // 2, n - 3) if n >= 5 else (min(1, n), n // 2, n)
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face config.json dict (transformers 4.x and 5.x spellings)."""
+        d = dict(d)
+        if "text_config" in d and "model_type" not in d.get("text_config", {}):
+            d = {**d, **d["text_config"]}
+        model_type = d.get("model_type")
+        if model_type is None:
+            raise EngineError("config.json has no model_type")
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in known and k != "extra"}
+        # transformers 5 moved rope_theta (and the scaling dict) into rope_parameters.
+        rope = d.get("rope_parameters") or {}
+        if "rope_theta" not in kwargs and "rope_theta" in rope:
+            kwargs["rope_theta"] = rope["rope_theta"]
+        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling is not None:
+            scaling = dict(scaling)
+            scaling.setdefault("rope_type", scaling.get("type", "default"))
+            kwargs["rope_scaling"] = None if scaling["rope_type"] == "default" else scaling
+        if model_type == "qwen2":
+            kwargs.setdefault("attention_bias", True)
+        kwargs["extra"] = {k: v for k, v in d.items() if k not in known}
+        try:
+            return cls(**kwargs)
+        except TypeError as e:  # a field of the wrong type in config.json
+            raise EngineError(f"config.json: {e}") from None
+
+    def to_hf(self) -> dict[str, Any]:
+        """A config.json dict that transformers loads as the same architecture."""
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "extra"}
+        arch = {
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+            "deepseek_v3": "DeepseekV3ForCausalLM",
+        }[self.model_type]
+        if not self.is_mla:
+            for k in MLA_FIELDS:
+                d.pop(k)
+        d.pop("qk_norm")  # implied by model_type
+        d["architectures"] = [arch]
+        d["hidden_act"] = "silu"
+        d["torch_dtype"] = "float32"
+        return {**self.extra, **d}
+
+
+# Named random-weight shapes: measure speed without checkpoints. Numbers follow the public configs.
+SHAPES: dict[str, dict[str, Any]] = {
+    "tiny": dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                 rope_theta=10000.0),
+    "small": dict(model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=768,
+                  num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+                  rope_theta=10000.0),
+    "llama-3.2-1b": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072,
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "llama-3.1-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         rope_theta=500000.0, max_position_embeddings=131072,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "llama-2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                       rope_theta=10000.0, max_position_embeddings=4096),
+    "mistral-7b": dict(model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       rope_theta=1000000.0, max_position_embeddings=32768),
+    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, max_position_embeddings=32768, attention_bias=True),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960),
+}
+
+
+def shape_config(name: str) -> ModelConfig:
+    if name not in SHAPES:
+        import difflib
+
+        close = difflib.get_close_matches(name, SHAPES, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(SHAPES)}"
+        raise EngineError(f"unknown shape {name!r}{hint}")
+    return ModelConfig(**SHAPES[name])

@@ -1,0 +1,83 @@
+"""CUDA-graph capture and replay with static buffers (eager on CPU, or when disabled).
+
+A `CapturedCall` owns one graph and its input/output buffers; a `GraphSet` owns one `CapturedCall` per token count.
+Following SGLang, each phase - target decode, target verify, drafter step, drafter extend - owns its own set, so it
+is always clear which graph a step replays and which buffers it may overwrite.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+Outputs = Any  # a tensor or a tuple of tensors (None allowed)
+
+_pool = None  # one memory pool shared by every graph of the process: graphs replay one at a time
+
+
+def shared_pool():
+    global _pool
+    if _pool is None:
+        _pool = torch.cuda.graph_pool_handle()
+    return _pool
+
+
+class CapturedCall:
+    """`fn(**inputs)` captured once over static input buffers; calling copies new inputs in and replays.
+
+    The outputs are the graph's static tensors: they are overwritten by the next replay, so clone what you keep.
+    """
+
+    def __init__(self, fn: Callable[..., Outputs], static_inputs: dict[str, torch.Tensor],
+                 enabled: bool = True, warmup: int = 2):
+        self.fn = fn
+        self.inputs = static_inputs
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.outputs: Outputs = None
+        device = next(iter(static_inputs.values())).device
+        if enabled and device.type == "cuda":
+            self._capture(warmup)
+
+    @property
+    def captured(self) -> bool:
+        return self.graph is not None
+
+    def _capture(self, warmup: int) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up runs allocate workspaces outside the graph
+            for _ in range(warmup):
+                self.fn(**self.inputs)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=shared_pool()):
+            self.outputs = self.fn(**self.inputs)
+
+    def __call__(self, **inputs: torch.Tensor) -> Outputs:
+        if self.graph is None:
+            return self.fn(**inputs)
+        for name, value in inputs.items():
+            buf = self.inputs[name]
+            if value is not buf:
+                buf.copy_(value)
+        self.graph.replay()
+        return self.outputs
+
+
+class GraphSet:
+    """One `CapturedCall` per size (e.g. tokens per verify forward). `make_inputs(size)` builds example buffers."""
+
+    def __init__(self, fn: Callable[..., Outputs], make_inputs: Callable[[int], dict[str, torch.Tensor]],
+                 sizes: list[int] | tuple[int, ...], enabled: bool = True):
+        self.calls = {n: CapturedCall(fn, make_inputs(n), enabled=enabled) for n in sorted(set(sizes))}
+
+    def __call__(self, size: int, **inputs: torch.Tensor) -> Outputs:
+        try:
+            call = self.calls[size]
+        except KeyError:
+            raise ValueError(f"no graph captured for size {size}; captured: {sorted(self.calls)}") from None
+        return call(**inputs)
+
+    def buffers(self, size: int) -> dict[str, torch.Tensor]:
+        """Static inputs of one size: write into them directly to skip a copy."""
+        return self.calls[size].inputs

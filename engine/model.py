@@ -1,0 +1,225 @@
+"""The target model: one Transformer for every family, a static KV cache, and forwards of T tokens at given
+positions with an explicit mask - decode (T=1), chunked prefill and (tree) verification all use the same call.
+
+Weights are kept fused (q/k/v in `wqkv`, gate/up in `w13`) so a decode step launches fewer, larger GEMVs;
+`hf_to_internal` / `internal_to_hf` translate to and from the Hugging Face layout.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cache import KVCache
+from engine.config import ModelConfig
+from engine.rope import apply_rope, rope_tables
+
+DEFAULT_ROPE_LEN = 4096
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, exactly as HF Llama/Qwen do.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with optional q/k/v bias (Qwen2) and per-head q/k norm (Qwen3).
+    `in_dim` differs from the hidden size in EAGLE-3's draft layer, whose input is concat(emb, hidden)."""
+
+    def __init__(self, cfg: ModelConfig, in_dim: int | None = None):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_out, kv_out = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.split = {"wqkv": (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out))}
+        self.wqkv = nn.Linear(in_dim or cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.cache: KVCache | None = None
+
+    def make_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
+        return KVCache(batch, self.n_kv, max_seq_len, self.head_dim, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                slots: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        sizes = [n for _, n in self.split["wqkv"]]
+        q, k, v = self.wqkv(x).split(sizes, dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        if self.cache is not None:
+            k, v = self.cache.update(slots, k, v)  # [B, Hkv, S, D]
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=None if mask is None else mask[None, None],
+            is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads,
+        )
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.split = {"w13": (("gate_proj", hidden), ("up_proj", hidden))}
+        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, x, cos, sin, slots, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def block_parts(cfg: ModelConfig, i: int) -> tuple[nn.Module, nn.Module]:
+    """The attention and feed-forward modules of layer i for this family."""
+    if cfg.is_mla:
+        from engine import deepseek
+
+        return deepseek.block_parts(cfg, i)
+    return Attention(cfg), MLP(cfg.hidden_size, cfg.intermediate_size)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, *block_parts(cfg, i)) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope_dim = cfg.qk_rope_head_dim if cfg.is_mla else cfg.head_dim
+        self.max_seq_len = 0
+        self._set_rope(min(cfg.max_position_embeddings, DEFAULT_ROPE_LEN), None)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def _set_rope(self, length: int, device: torch.device | None) -> None:
+        cos, sin = rope_tables(self.cfg, self.rope_dim, length)  # float32, whatever the weights' dtype
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    def setup_caches(self, max_seq_len: int, batch_size: int = 1) -> None:
+        """Preallocate every layer's cache for max_seq_len tokens; from now on forwards read and write it."""
+        dev, dt = self.device, self.dtype
+        for layer in self.layers:
+            layer.self_attn.cache = layer.self_attn.make_cache(batch_size, max_seq_len, dt, dev)
+        self.max_seq_len = max_seq_len
+        self._set_rope(max(max_seq_len, DEFAULT_ROPE_LEN), dev)
+        self.register_buffer("slot_ids", torch.arange(max_seq_len, device=dev), persistent=False)
+
+    def drop_caches(self) -> None:
+        for layer in self.layers:
+            layer.self_attn.cache = None
+        self.max_seq_len = 0
+
+    def cache_bytes_per_token(self) -> int:
+        return sum(layer.self_attn.cache.bytes_per_token() for layer in self.layers) if self.max_seq_len else 0
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        input_pos: torch.Tensor,  # [T] RoPE positions
+        cache_slots: torch.Tensor | None = None,  # [T] where K/V are written (default: input_pos)
+        attn_mask: torch.Tensor | None = None,  # [T, S] bool, True = may attend
+        hidden_layers: tuple[int, ...] = (),
+        last_logits_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
+        slots = None
+        if self.max_seq_len:
+            slots = input_pos if cache_slots is None else cache_slots
+            if attn_mask is None:
+                attn_mask = self.slot_ids[None, :] <= input_pos[:, None]
+        x = self.embed_tokens(input_ids)
+        taken: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in hidden_layers:
+                taken[i] = x
+            x = layer(x, cos, sin, slots, attn_mask)
+        if len(self.layers) in hidden_layers:
+            taken[len(self.layers)] = x
+        aux = torch.cat([taken[i] for i in hidden_layers], dim=-1) if hidden_layers else None
+        if last_logits_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x)).float(), aux
+
+    @torch.no_grad()
+    def move_cache(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.self_attn.cache.move(src_slots, dst_slots)
+
+    def weight_bytes(self, per_token: bool = True) -> int:
+        """Bytes of weights one decode step reads: all parameters but the embedding table (one row is read),
+        and with MoE only the experts a token is routed to."""
+        total = 0
+        seen: set[int] = set()
+        for name, p in self.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+        if per_token:
+            emb = self.embed_tokens.weight
+            if not self.cfg.tie_word_embeddings:
+                total -= emb.numel() * emb.element_size()
+            total -= sum(getattr(layer.mlp, "inactive_bytes", lambda: 0)() for layer in self.layers)
+        return total
+
+
+def _fused_modules(model: nn.Module):
+    for prefix, mod in model.named_modules():
+        for fused, parts in getattr(mod, "split", {}).items():
+            yield prefix, fused, parts
+
+
+def hf_to_internal(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF keys (without the leading "model.") -> this module's keys: q/k/v and gate/up concatenated."""
+    out = dict(sd)
+    for prefix, fused, parts in _fused_modules(model):
+        for kind in ("weight", "bias"):
+            keys = [f"{prefix}.{name}.{kind}" for name, _ in parts]
+            if all(k in out for k in keys):
+                out[f"{prefix}.{fused}.{kind}"] = torch.cat([out.pop(k) for k in keys], dim=0)
+    return out
+
+
+def internal_to_hf(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = dict(sd)
+    for prefix, fused, parts in _fused_modules(model):
+        for kind in ("weight", "bias"):
+            key = f"{prefix}.{fused}.{kind}"
+            if key in out:
+                pieces = out.pop(key).split([n for _, n in parts], dim=0)
+                out.update({f"{prefix}.{name}.{kind}": t.contiguous() for (name, _), t in zip(parts, pieces)})
+    return out
