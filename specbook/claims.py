@@ -1,0 +1,345 @@
+"""Numbers in docs tied to records, and the docs checks.
+
+A claim is written literally between two HTML comments, so raw Markdown shows the real value:
+
+    <!-- claim: baseline-decode/h200/decode_tok_s fmt=.0f -->227<!-- /claim -->
+
+`fmt` is a Python format spec for the record's value, or `range:SPEC` for the low and high of its samples
+("82-83"). Numbers that look measured (tok/s, ms, speedups, accept length) must stand in a claim; numbers that come
+from elsewhere (a paper, a goal) are wrapped in a citation instead:
+
+    <!-- cite: EAGLE-3 paper, table 1 -->4.40x<!-- /cite -->
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import yaml
+
+FRONT_MATTER_KEYS = ("title", "status", "updated", "runbooks", "records")
+# Pages the site generates at build time (specbook.site): links to them are not broken.
+GENERATED_PAGES = frozenset({"dashboard.md", "llms.txt", "llms-full.txt"})
+# Verdicts that make a documented number untrustworthy; "not verifiable here" is shown, not failed.
+FAILING_VERDICTS = frozenset({"stale", "drifted", "failed"})
+
+KEY = r"[A-Za-z0-9_.-]+"
+CLAIM_RE = re.compile(
+    rf"<!--\s*claim:\s*(?P<runbook>{KEY})/(?P<profile>{KEY})/(?P<metric>{KEY})(?:\s+fmt=(?P<fmt>\S+))?\s*-->"
+    r"(?P<literal>[^<\n]*)<!--\s*/claim\s*-->"
+)
+CITE_RE = re.compile(r"<!--\s*cite:\s*(?P<source>[^>\n]*\S)\s*-->(?P<text>[^<\n]*)<!--\s*/cite\s*-->")
+ANY_MARKER_RE = re.compile(r"<!--\s*/?\s*(?:claim|cite)\b")
+FENCE_RE = re.compile(r"^(\s*)(```|~~~).*?^\1\2[^\n]*$", re.M | re.S)
+INLINE_CODE_RE = re.compile(r"`[^`\n]+`")
+COMMENT_RE = re.compile(r"<!--.*?-->", re.S)
+LINK_RE = re.compile(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+NUM = r"(?<![\w.-])\d+(?:\.\d+)?(?:\s*[-\u2013]\s*\d+(?:\.\d+)?)?"
+MEASURED_RES = (
+    (re.compile(rf"{NUM}\s*(?:tok/s|tokens?/s|tokens per second|ms|\u00b5s|us|[GT]B/s)(?![\w/])"), "a rate or time"),
+    (re.compile(rf"{NUM}\s*[x\u00d7](?![\w-])(?!\s*[A-Z])"), "a speedup"),
+    (re.compile(rf"{NUM}\s*%\s*(?:slower|faster|speedup|regression)"), "a relative speed"),
+    (re.compile(rf"(?i:accept(?:ance)?[ _-]len(?:gth)?s?|\btau\b|\u03c4)[^.\d\n]{{0,24}}{NUM}"), "an accept length"),
+)
+
+
+@dataclass(frozen=True)
+class Problem:
+    file: str
+    line: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.message}"
+
+
+@dataclass(frozen=True)
+class Claim:
+    file: str
+    line: int
+    start: int  # offsets of the literal in the file's text
+    end: int
+    runbook: str
+    profile: str
+    metric: str
+    fmt: str
+    literal: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.runbook}/{self.profile}/{self.metric}"
+
+
+class DocsError(Exception):
+    """Bad docs input or a refused write; the message is one line for the user."""
+
+
+# ---------------------------------------------------------------------------------------------- records
+
+
+def load_record_file(root: Path, runbook: str) -> dict | None:
+    path = Path(root) / "baselines" / f"{runbook}.yaml"
+    if not path.is_file():
+        return None
+    try:
+        return yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise DocsError(f"baselines/{runbook}.yaml{where}: malformed YAML") from None
+
+
+def find_metric(root: Path, runbook: str, profile: str, metric: str, cache: dict | None = None) -> dict | None:
+    """The metric entry of a record (value, unit, samples, ...) or None."""
+    cache = {} if cache is None else cache
+    if runbook not in cache:
+        cache[runbook] = load_record_file(root, runbook)
+    data = cache[runbook] or {}
+    return ((data.get("profiles") or {}).get(profile) or {}).get("metrics", {}).get(metric)
+
+
+def format_value(metric: dict, fmt: str) -> str:
+    """The literal a claim shows for a metric; `range:SPEC` renders min-max of the samples."""
+    if fmt.startswith("range:"):
+        spec, samples = fmt[len("range:"):], metric.get("samples") or []
+        if not samples:
+            raise DocsError("fmt=range needs the record's samples, and it has none")
+        return f"{format(min(samples), spec)}-{format(max(samples), spec)}"
+    return format(metric["value"], fmt)
+
+
+def valid_fmt(fmt: str) -> bool:
+    try:
+        format(1.5, fmt.removeprefix("range:"))
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+
+def _blank(text: str, start: int, end: int) -> str:
+    """Replace text[start:end] with spaces, keeping newlines, so offsets and line numbers stay put."""
+    return text[:start] + re.sub(r"[^\n]", " ", text[start:end]) + text[end:]
+
+
+def _line_of(text: str, offset: int) -> int:
+    return text.count("\n", 0, offset) + 1
+
+
+def split_front_matter(text: str) -> tuple[dict | None, int]:
+    """(front matter mapping or None, offset where the body starts)."""
+    m = re.match(r"---\n(.*?\n)---\n", text, re.S)
+    if not m:
+        return None, 0
+    try:
+        data = yaml.safe_load(m.group(1))
+    except yaml.YAMLError:
+        return None, 0
+    return (data if isinstance(data, dict) else None), m.end()
+
+
+def prose_mask(text: str) -> str:
+    """The text with front matter, fenced code and inline code blanked: what markers and numbers are read from."""
+    _, body = split_front_matter(text)
+    masked = _blank(text, 0, body)
+    for rx in (FENCE_RE, INLINE_CODE_RE):
+        for m in rx.finditer(masked):
+            masked = _blank(masked, m.start(), m.end())
+    return masked
+
+
+def parse_claims(text: str, file: str) -> tuple[list[Claim], list[Problem]]:
+    masked = prose_mask(text)
+    claims, problems, covered = [], [], []
+    for m in CLAIM_RE.finditer(masked):
+        covered.append((m.start(), m.end()))
+        line = _line_of(text, m.start())
+        fmt = m.group("fmt") or "g"
+        if not valid_fmt(fmt):
+            problems.append(Problem(file, line, f"claim {m.group('runbook')}/{m.group('profile')}/"
+                                                f"{m.group('metric')}: bad fmt={fmt!r}"))
+            continue
+        claims.append(Claim(file, line, m.start("literal"), m.end("literal"), m.group("runbook"),
+                            m.group("profile"), m.group("metric"), fmt, m.group("literal")))
+    covered += [(m.start(), m.end()) for m in CITE_RE.finditer(masked)]
+    for m in ANY_MARKER_RE.finditer(masked):
+        if not any(a <= m.start() < b for a, b in covered):
+            problems.append(Problem(file, _line_of(text, m.start()),
+                                    "malformed marker: expected <!-- claim: RUNBOOK/PROFILE/METRIC fmt=SPEC -->"
+                                    "LITERAL<!-- /claim --> or <!-- cite: SOURCE -->TEXT<!-- /cite --> on one line"))
+    return claims, problems
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def doc_files(root: Path) -> list[Path]:
+    """Markdown that agents and the site read: docs/**/*.md and AGENTS.md (executed notebooks excluded)."""
+    root = Path(root)
+    files = sorted(p for p in (root / "docs").rglob("*.md") if "executed" not in p.relative_to(root).parts)
+    return files + [p for p in [root / "AGENTS.md"] if p.is_file()]
+
+
+def _check_front_matter(text: str, file: str) -> list[Problem]:
+    data, _ = split_front_matter(text)
+    if data is None:
+        return [Problem(file, 1, "no YAML front matter (--- " + ", ".join(FRONT_MATTER_KEYS) + " ---)")]
+    missing = [k for k in FRONT_MATTER_KEYS if k not in data]
+    if missing:
+        return [Problem(file, 2, f"front matter lacks {', '.join(missing)}")]
+    bad = [k for k in ("runbooks", "records") if not isinstance(data[k], list)]
+    return [Problem(file, 2, f"front matter {k} must be a list") for k in bad]
+
+
+def _check_links(text: str, path: Path, root: Path, file: str) -> list[Problem]:
+    problems = []
+    docs = (root / "docs").resolve()
+    for m in LINK_RE.finditer(prose_mask(text)):
+        target = m.group(1)
+        if re.match(r"[a-zA-Z][\w+.-]*:", target) or target.startswith(("#", "/")):
+            continue
+        rel = target.split("#", 1)[0]
+        dest = (path.parent / rel).resolve()
+        generated = dest.is_relative_to(docs) and dest.relative_to(docs).as_posix() in GENERATED_PAGES
+        if not (dest.exists() or generated):
+            problems.append(Problem(file, _line_of(text, m.start()), f"broken link: {target}"))
+    return problems
+
+
+def _check_numbers(text: str, file: str) -> list[Problem]:
+    masked = COMMENT_RE.sub(lambda m: re.sub(r"[^\n]", " ", m.group()), _masked_markers(text))
+    problems = []
+    for rx, what in MEASURED_RES:
+        for m in rx.finditer(masked):
+            problems.append(Problem(file, _line_of(text, m.start()),
+                                    f"{m.group().strip()!r} looks like {what} outside a claim marker "
+                                    "(tie it to a record, or wrap a published number in <!-- cite: SOURCE -->)"))
+    return problems
+
+
+def _masked_markers(text: str) -> str:
+    masked = prose_mask(text)
+    for rx in (CLAIM_RE, CITE_RE):
+        for m in rx.finditer(masked):
+            masked = _blank(masked, m.start(), m.end())
+    return masked
+
+
+def claim_verdict(root: Path, claim: Claim, metric: dict, cache: dict) -> str:
+    """fresh / stale / drifted / failed / not verifiable here, for the record behind a claim."""
+    # TODO(issue 3): replace with specbook.verify once it lands; until then reported runs are the only verdict.
+    data = cache.get(claim.runbook) or {}
+    runs = ((data.get("profiles") or {}).get(claim.profile) or {}).get("runs") or []
+    run = next((r for r in runs if r.get("id") == metric.get("run")), {})
+    return "not verifiable here" if run.get("source") == "reported" else "fresh"
+
+
+def check_claim(root: Path, claim: Claim, cache: dict, verdicts: bool = True) -> list[Problem]:
+    metric = find_metric(root, claim.runbook, claim.profile, claim.metric, cache)
+    if metric is None:
+        return [Problem(claim.file, claim.line, f"claim {claim.key}: no such record in baselines/")]
+    try:
+        expected = format_value(metric, claim.fmt)
+    except DocsError as e:
+        return [Problem(claim.file, claim.line, f"claim {claim.key}: {e}")]
+    if claim.literal != expected:
+        return [Problem(claim.file, claim.line,
+                        f"claim {claim.key}: literal {claim.literal!r} != record {expected!r} (run `runbook run`)")]
+    if verdicts:
+        verdict = claim_verdict(root, claim, metric, cache)
+        if verdict.split()[0] in FAILING_VERDICTS:
+            return [Problem(claim.file, claim.line, f"claim {claim.key}: record is {verdict}")]
+    return []
+
+
+def check_docs(root: Path | str, verdicts: bool = True) -> list[Problem]:
+    """Every problem of the docs, each with file and line; empty when the docs are true."""
+    root = Path(root)
+    problems, cache = [], {}
+    for path in doc_files(root):
+        file = path.relative_to(root).as_posix()
+        text = path.read_text()
+        if path.parent != root:  # AGENTS.md is not a site page
+            problems += _check_front_matter(text, file)
+        claims, bad = parse_claims(text, file)
+        problems += bad
+        for claim in claims:
+            try:
+                problems += check_claim(root, claim, cache, verdicts)
+            except DocsError as e:
+                problems.append(Problem(claim.file, claim.line, str(e)))
+        problems += _check_links(text, path, root, file)
+        problems += _check_numbers(text, file)
+    return sorted(set(problems), key=lambda p: (p.file, p.line, p.message))
+
+
+def all_claims(root: Path | str) -> list[Claim]:
+    root = Path(root)
+    out = []
+    for path in doc_files(root):
+        out += parse_claims(path.read_text(), path.relative_to(root).as_posix())[0]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- refresh
+
+
+@dataclass(frozen=True)
+class Edit:
+    path: Path
+    digest: str  # sha256 of the text the edit was computed from
+    new_text: str
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def plan_refresh(root: Path | str, runbooks: Iterable[str] | None = None) -> list[Edit]:
+    """Edits that bring claim literals in line with the records (claims without a record are left alone)."""
+    root, only, cache = Path(root), set(runbooks) if runbooks is not None else None, {}
+    edits = []
+    for path in doc_files(root):
+        text = path.read_text()
+        new, shift = text, 0
+        for claim in parse_claims(text, path.relative_to(root).as_posix())[0]:
+            if only is not None and claim.runbook not in only:
+                continue
+            metric = find_metric(root, claim.runbook, claim.profile, claim.metric, cache)
+            if metric is None:
+                continue
+            try:
+                literal = format_value(metric, claim.fmt)
+            except DocsError:
+                continue
+            new = new[: claim.start + shift] + literal + new[claim.end + shift:]
+            shift += len(literal) - len(claim.literal)
+        if new != text:
+            edits.append(Edit(path, _digest(text), new))
+    return edits
+
+
+def apply_edits(edits: list[Edit]) -> list[Path]:
+    """Write the edits atomically; refuse (DocsError) a file whose text changed since the edit was planned."""
+    for edit in edits:
+        if _digest(edit.path.read_text()) != edit.digest:
+            raise DocsError(f"{edit.path}: changed since it was read; not overwritten (run again)")
+    for edit in edits:
+        fd, tmp = tempfile.mkstemp(dir=edit.path.parent, prefix=f".{edit.path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(edit.new_text)
+        os.replace(tmp, edit.path)
+    return [e.path for e in edits]
+
+
+def refresh_docs(root: Path | str, runbooks: Iterable[str] | None = None) -> list[Path]:
+    """Rewrite claim literals from the records (only those of `runbooks` if given); returns the files written."""
+    return apply_edits(plan_refresh(root, runbooks))
