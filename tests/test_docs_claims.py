@@ -1,0 +1,153 @@
+"""Docs checks and claim refresh: each bad input fails with file and line."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specbook import claims
+from specbook.claims import DocsError, check_docs, plan_refresh, apply_edits, refresh_docs
+
+ROOT = Path(__file__).resolve().parents[1]
+FRONT = "---\ntitle: T\nstatus: current\nupdated: 2026-11-29\nrunbooks: []\nrecords: []\n---\n"
+
+
+def write_record(root: Path, value: float = 82.5, samples=(82.0, 83.0), source: str = "measured") -> None:
+    data = {"runbook": "bench", "profiles": {"cpu": {
+        "runs": [{"id": "r1", "date": "2026-11-29T14:40:00Z", "source": source}],
+        "metrics": {"tok_s": {"value": value, "unit": "tok/s", "direction": "higher",
+                              "tolerance": {"rel": 0.1, "abs": 0.0}, "run": "r1", "samples": list(samples),
+                              "history": [{"value": value, "run": "r1"}]}}}}}
+    (root / "baselines").mkdir(exist_ok=True)
+    (root / "baselines" / "bench.yaml").write_text(yaml.safe_dump(data))
+
+
+def page(root: Path, body: str, name: str = "p.md", front: str = FRONT) -> Path:
+    (root / "docs").mkdir(exist_ok=True)
+    path = root / "docs" / name
+    path.write_text(front + body)
+    return path
+
+
+def messages(root: Path) -> list[str]:
+    return [str(p) for p in check_docs(root)]
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    write_record(tmp_path)
+    return tmp_path
+
+
+def test_repository_docs_are_clean():
+    assert messages(ROOT) == []
+
+
+def test_true_claims_pass(root):
+    page(root, "Decode runs at <!-- claim: bench/cpu/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s, "
+               "range <!-- claim: bench/cpu/tok_s fmt=range:.0f -->82-83<!-- /claim --> tok/s.\n")
+    assert messages(root) == []
+
+
+def test_claim_to_missing_record(root):
+    page(root, "line\n<!-- claim: bench/h200/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s\n")
+    assert messages(root) == ["docs/p.md:9: claim bench/h200/tok_s: no such record in baselines/"]
+
+
+def test_literal_differs_from_record(root):
+    page(root, "<!-- claim: bench/cpu/tok_s fmt=.1f -->89.0<!-- /claim --> tok/s\n")
+    [msg] = messages(root)
+    assert msg.startswith("docs/p.md:8: claim bench/cpu/tok_s: literal '89.0' != record '82.5'")
+
+
+@pytest.mark.parametrize("marker", [
+    "<!-- claim: bench/cpu/tok_s fmt=.1f -->82.5 no closing marker",
+    "<!-- claim: bench/tok_s -->82.5<!-- /claim -->",
+    "82.5<!-- /claim -->",
+])
+def test_malformed_marker(root, marker):
+    page(root, f"ok\n\n{marker}\n")
+    [msg] = [m for m in messages(root) if "malformed" in m]
+    assert msg.startswith("docs/p.md:10: malformed marker")
+
+
+def test_bad_fmt(root):
+    page(root, "<!-- claim: bench/cpu/tok_s fmt=.1q -->82.5<!-- /claim -->\n")
+    assert messages(root) == ["docs/p.md:8: claim bench/cpu/tok_s: bad fmt='.1q'"]
+
+
+def test_page_without_front_matter(root):
+    page(root, "# Title\n\nNo front matter.\n", front="")
+    assert messages(root) == ["docs/p.md:1: no YAML front matter (--- title, status, updated, runbooks, records ---)"]
+
+
+def test_front_matter_missing_keys(root):
+    page(root, "# T\n", front="---\ntitle: T\nstatus: draft\n---\n")
+    assert messages(root) == ["docs/p.md:2: front matter lacks updated, runbooks, records"]
+
+
+def test_broken_link(root):
+    page(root, "[ok](other.md) [anchor](#x) [web](https://example.com) [dash](dashboard.md)\n\n"
+               "[gone](missing.md#part)\n")
+    page(root, "", name="other.md")
+    assert messages(root) == ["docs/p.md:10: broken link: missing.md#part"]
+
+
+@pytest.mark.parametrize("text", ["runs at 82.5 tok/s", "a 4.4x speedup", "verify costs ~30 ms",
+                                  "accept length of 2.0", "27% slower"])
+def test_measured_number_outside_marker(root, text):
+    page(root, f"It {text}.\n")
+    [msg] = messages(root)
+    assert msg.startswith("docs/p.md:8: ") and "outside a claim marker" in msg
+
+
+@pytest.mark.parametrize("text", [
+    "hidden 7168, intermediate 18432, 61 layers, 8x RTX PRO 6000, EAGLE-3 tok/s",
+    "the paper reports <!-- cite: EAGLE-3 paper -->4.40x<!-- /cite --> speedup",
+    "`--budget 30 ms` in code",
+    "```\nbench: 82.5 tok/s\n```",
+])
+def test_numbers_that_are_not_measured(root, text):
+    page(root, text + "\n")
+    assert messages(root) == []
+
+
+def test_range_needs_samples(root):
+    write_record(root, samples=())
+    page(root, "<!-- claim: bench/cpu/tok_s fmt=range:.0f -->82-83<!-- /claim --> tok/s\n")
+    assert messages(root) == ["docs/p.md:8: claim bench/cpu/tok_s: fmt=range needs the record's samples, "
+                              "and it has none"]
+
+
+def test_refresh_rewrites_only_literals(root):
+    path = page(root, "A <!-- claim: bench/cpu/tok_s fmt=.1f -->1.0<!-- /claim --> tok/s and "
+                      "<!-- claim: bench/cpu/tok_s fmt=range:.0f -->1-2<!-- /claim --> tok/s.\n"
+                      "Missing <!-- claim: nope/cpu/x fmt=.1f -->7.0<!-- /claim --> tok/s stays.\n")
+    assert refresh_docs(root) == [path]
+    text = path.read_text()
+    assert "-->82.5<!--" in text and "-->82-83<!--" in text and "-->7.0<!--" in text
+    assert refresh_docs(root) == []  # idempotent
+
+
+def test_refresh_limited_to_runbooks(root):
+    path = page(root, "<!-- claim: bench/cpu/tok_s fmt=.1f -->1.0<!-- /claim --> tok/s\n")
+    assert refresh_docs(root, runbooks=["other"]) == []
+    assert "-->1.0<!--" in path.read_text()
+
+
+def test_refresh_refuses_file_changed_underneath(root):
+    path = page(root, "<!-- claim: bench/cpu/tok_s fmt=.1f -->1.0<!-- /claim --> tok/s\n")
+    edits = plan_refresh(root)
+    path.write_text(path.read_text() + "An edit by hand.\n")
+    with pytest.raises(DocsError, match="changed since it was read"):
+        apply_edits(edits)
+    assert "-->1.0<!--" in path.read_text() and path.read_text().endswith("An edit by hand.\n")
+
+
+def test_reported_claims_are_not_verifiable_here(root):
+    write_record(root, source="reported")
+    page(root, "<!-- claim: bench/cpu/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s\n")
+    [claim] = claims.all_claims(root)
+    metric = claims.find_metric(root, "bench", "cpu", "tok_s")
+    assert claims.claim_verdict(root, claim, metric, {"bench": yaml.safe_load(
+        (root / "baselines" / "bench.yaml").read_text())}) == "not verifiable here"
+    assert messages(root) == []
