@@ -1,0 +1,175 @@
+"""Fingerprints: of this machine and run (provenance), of a run's inputs (the cache key), and the hardware profile."""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from specbook import RunFailed
+
+ENV_PREFIXES = ("NCCL_", "CUDA_", "TORCH_", "OMP_", "PYTORCH_")  # environment variables that change performance
+
+# Named extra inputs a runbook may declare (`inputs: [corpus]`); each returns a hash of that input.
+INPUTS: dict[str, Callable[[Path], str]] = {}
+
+
+def register_input(name: str):
+    def deco(fn: Callable[[Path], str]) -> Callable[[Path], str]:
+        INPUTS[name] = fn
+        return fn
+
+    return deco
+
+
+@register_input("corpus")
+def _corpus(root: Path) -> str:
+    from engine.train.corpus import manifest_hash  # written by the engine; imported late so specbook runs without it
+
+    return manifest_hash()
+
+
+def input_fingerprint(root: Path, name: str) -> str:
+    try:
+        return str(INPUTS[name](root))
+    except Exception as e:  # a missing or broken input module must not crash status or list
+        raise RunFailed(f"input {name} unavailable: {type(e).__name__}: {e}") from None
+
+
+def sha(data: bytes | str) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()[:16]
+
+
+def canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def file_hash(path: str | os.PathLike) -> str:
+    return sha(Path(path).read_bytes())
+
+
+def engine_hash(root: Path) -> str:
+    """Hash of engine/**/*.py (paths and contents): any engine change makes records stale."""
+    h = hashlib.sha256()
+    for p in sorted((root / "engine").rglob("*.py")):
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def inputs_hash(runbook_source: str, params: dict, engine: str, upstream: dict[str, str],
+                inputs: dict[str, str]) -> str:
+    return sha(canonical({"runbook": sha(runbook_source), "params": params, "engine": engine,
+                          "upstream": upstream, "inputs": inputs}))
+
+
+@functools.lru_cache(maxsize=1)
+def gpus() -> tuple[str, ...]:
+    """Names of the visible CUDA devices; empty without torch or CUDA."""
+    try:
+        import torch
+    except ImportError:
+        return ()
+    if not torch.cuda.is_available():
+        return ()
+    return tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+
+
+def profile_of(names: tuple[str, ...]) -> str:
+    if not names:
+        return "cpu"
+    if all("H200" in n for n in names):
+        return "h200"
+    if len(names) == 8 and all("RTX PRO 6000" in n for n in names):
+        return "8x-rtx-pro-6000"
+    slug = re.sub(r"[^a-z0-9]+", "-", names[0].lower().replace("nvidia", "")).strip("-")
+    return f"gpu-{len(names)}x-{slug}" if len(names) > 1 else f"gpu-{slug}"
+
+
+def detect_profile() -> str:
+    return profile_of(gpus())
+
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _driver() -> str | None:
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.splitlines()[0].strip() if r.returncode == 0 and r.stdout.strip() else None
+
+
+def _customize() -> dict[str, dict[str, Any]]:
+    """sitecustomize/usercustomize change every Python process silently (the game plan's NCCL tuning hid there)."""
+    out = {}
+    for mod in ("sitecustomize", "usercustomize"):
+        try:
+            spec = importlib.util.find_spec(mod)
+        except (ImportError, ValueError):
+            spec = None
+        origin = spec.origin if spec and spec.origin and os.path.isfile(spec.origin) else None
+        out[mod] = {"importable": spec is not None, "active": mod in sys.modules, "path": origin,
+                    "hash": file_hash(origin) if origin else None}
+    return out
+
+
+def versions() -> dict[str, str | None]:
+    try:
+        import torch
+
+        torch_v, cuda = torch.__version__, torch.version.cuda
+    except ImportError:
+        torch_v = cuda = None
+    return {"python": platform.python_version(), "engine": _version("specbook"), "torch": torch_v,
+            "transformers": _version("transformers"), "cuda": cuda, "papermill": _version("papermill")}
+
+
+def fingerprint(root: Path, runbook_source: str | None = None, params: dict | None = None,
+                inputs: dict[str, str] | None = None) -> dict[str, Any]:
+    """Provenance of a run on this machine (docs/architecture.md, Records)."""
+    names = gpus()
+    fp: dict[str, Any] = {
+        "git_commit": _git(root, "rev-parse", "HEAD"),
+        "git_dirty": bool(_git(root, "status", "--porcelain")),
+        "runbook_hash": sha(runbook_source) if runbook_source is not None else None,
+        "params_hash": sha(canonical(params)) if params is not None else None,
+        "engine_hash": engine_hash(root),
+        "versions": versions(),
+        "gpu": {"count": len(names), "names": sorted(set(names)), "driver": _driver() if names else None},
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
+        "sitecustomize": _customize(),
+        "platform": platform.platform(),
+        "profile": profile_of(names),
+        "date": now_iso(),
+    }
+    for name, h in (inputs or {}).items():
+        fp[f"{name}_manifest"] = h
+    return fp
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,207 @@
+"""baselines/<runbook>.yaml: load, validate, and change under a lock with atomic replace.
+
+Nothing is lost: a write goes to a temporary file that replaces the record in one step (a killed run leaves the old
+file), read-modify-write holds a file lock (two runs both land), and a file whose bytes changed since they were read
+(a hand edit) is never overwritten.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import secrets
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import filelock
+import yaml
+
+from specbook import SpecbookError
+from specbook.provenance import sha
+from specbook.record import DIRECTIONS, Metric
+
+BASELINES = "baselines"
+SOURCES = ("measured", "reported")
+LOCK_TIMEOUT_S = 120.0
+
+
+@dataclass
+class RecordFile:
+    path: Path
+    data: dict[str, Any]
+    digest: str | None  # hash of the bytes read; None when the file did not exist
+
+    @property
+    def name(self) -> str:
+        return self.data["runbook"]
+
+
+def path_for(root: Path, name: str) -> Path:
+    return root / BASELINES / f"{name}.yaml"
+
+
+def _state_dir(path: Path, kind: str) -> Path:
+    d = path.parent.parent / ".specbook" / kind  # beside baselines/, so temp files replace on the same filesystem
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+_locks: dict[Path, filelock.FileLock] = {}
+
+
+def _lock(path: Path) -> filelock.FileLock:
+    # one object per file: a second FileLock on the same file in this process would deadlock against the first
+    key = path.resolve()
+    if key not in _locks:
+        _locks[key] = filelock.FileLock(_state_dir(key, "locks") / f"{key.name}.lock", timeout=LOCK_TIMEOUT_S)
+    return _locks[key]
+
+
+def _show(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def load(path: Path) -> RecordFile:
+    if not path.exists():
+        return RecordFile(path, {"runbook": path.stem, "profiles": {}}, None)
+    raw = path.read_bytes()
+    try:
+        data = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{_show(path)}:{mark.line + 1}" if mark else _show(path)
+        raise SpecbookError(f"{where}: malformed YAML: {getattr(e, 'problem', None) or e}") from None
+    validate(data, path)
+    return RecordFile(path, data, sha(raw))
+
+
+def load_all(root: Path) -> dict[str, RecordFile]:
+    return {p.stem: load(p) for p in sorted((root / BASELINES).glob("*.yaml"))}
+
+
+def validate(data: Any, path: Path) -> None:
+    def bad(where: str, problem: str) -> SpecbookError:
+        return SpecbookError(f"{_show(path)}: {where}: {problem}")
+
+    if not isinstance(data, dict) or set(data) != {"runbook", "profiles"}:
+        raise bad("top level", "expected exactly the keys runbook and profiles")
+    if data["runbook"] != path.stem:
+        raise bad("runbook", f"is {data['runbook']!r} but the file is named for {path.stem!r}")
+    if not isinstance(data["profiles"], dict):
+        raise bad("profiles", "must be a mapping of profile name to runs and metrics")
+    for pname, prof in data["profiles"].items():
+        if not isinstance(prof, dict) or not isinstance(prof.get("runs"), list) \
+                or not isinstance(prof.get("metrics"), dict):
+            raise bad(f"profiles.{pname}", "needs a runs list and a metrics mapping")
+        ids = set()
+        for i, run in enumerate(prof["runs"]):
+            _check_run(run, f"profiles.{pname}.runs[{i}]", bad)
+            ids.add(run["id"])
+        for mname, m in prof["metrics"].items():
+            _check_metric(m, ids, f"profiles.{pname}.metrics.{mname}", bad)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_run(run: Any, where: str, bad) -> None:
+    if not isinstance(run, dict) or not isinstance(run.get("id"), str):
+        raise bad(where, "needs an id")
+    if run.get("source") not in SOURCES:
+        raise bad(where, f"source must be one of {', '.join(SOURCES)}")
+    if not isinstance(run.get("date"), (str, dt.datetime, dt.date)):
+        raise bad(where, "needs a date")
+    if not isinstance(run.get("provenance"), dict):
+        raise bad(where, "needs a provenance mapping")
+    if run["source"] == "measured" and not (isinstance(run.get("inputs_hash"), str)
+                                            and isinstance(run.get("parameters"), dict)):
+        raise bad(where, "a measured run needs inputs_hash (string) and parameters (mapping)")
+
+
+def _check_metric(m: Any, run_ids: set[str], where: str, bad) -> None:
+    if not isinstance(m, dict) or not _is_number(m.get("value")):
+        raise bad(where, "needs a numeric value")
+    if not isinstance(m.get("unit"), str):
+        raise bad(where, "needs a unit (string)")
+    if m.get("direction") not in DIRECTIONS:
+        raise bad(where, f"direction must be one of {', '.join(DIRECTIONS)}")
+    tol = m.get("tolerance", {})
+    if not isinstance(tol, dict) or set(tol) - {"rel", "abs"} or \
+            not all(_is_number(v) and v >= 0 for v in tol.values()):
+        raise bad(where, "tolerance must be {rel: number >= 0, abs: number >= 0}")
+    if m.get("run") not in run_ids:
+        raise bad(where, f"run {m.get('run')!r} is not among this profile's runs")
+    if not isinstance(m.get("samples", []), list) or not all(_is_number(s) for s in m.get("samples", [])):
+        raise bad(where, "samples must be a list of numbers")
+    if not isinstance(m.get("history", []), list):
+        raise bad(where, "history must be a list")
+
+
+def dump(data: dict[str, Any]) -> str:
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=120, allow_unicode=True)
+
+
+def save(rf: RecordFile) -> None:
+    """Replace the file atomically, unless someone changed it since `rf` was read."""
+    text = dump(rf.data).encode()
+    with _lock(rf.path):
+        now = sha(rf.path.read_bytes()) if rf.path.exists() else None
+        if now != rf.digest:
+            raise SpecbookError(f"{_show(rf.path)} changed since it was read (edited by hand?); not overwritten, "
+                                "run again")
+        rf.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=_state_dir(rf.path, "tmp"), prefix=rf.path.name + ".")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, rf.path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    rf.digest = sha(text)
+
+
+def new_run_id(date: str) -> str:
+    return date.replace("-", "").replace(":", "") + "-" + secrets.token_hex(2)
+
+
+def add_run(root: Path, name: str, profile: str, run: dict[str, Any], metrics: list[Metric]) -> RecordFile:
+    """Append a run to a profile and make its metrics the recorded values (history appended), under the lock."""
+    path = path_for(root, name)
+    with _lock(path):
+        rf = load(path)
+        prof = rf.data["profiles"].setdefault(profile, {"runs": [], "metrics": {}})
+        prof["runs"].append(run)
+        for m in metrics:
+            history = prof["metrics"].get(m.name, {}).get("history", [])
+            entry: dict[str, Any] = {"value": m.value, "unit": m.unit, "direction": m.direction,
+                                     "tolerance": {"rel": m.rel_tol, "abs": m.abs_tol}, "run": run["id"]}
+            if m.samples:
+                entry["samples"] = m.samples
+            if m.description:
+                entry["description"] = m.description
+            entry["history"] = [*history, {"value": m.value, "run": run["id"], "date": run["date"]}]
+            prof["metrics"][m.name] = entry
+        validate(rf.data, path)
+        save(rf)
+    return rf
+
+
+def run_of(prof: dict[str, Any], run_id: str) -> dict[str, Any]:
+    return next(r for r in prof["runs"] if r["id"] == run_id)
+
+
+def parse_date(value: Any) -> dt.datetime:
+    if isinstance(value, dt.datetime):
+        return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
+    if isinstance(value, dt.date):
+        return dt.datetime(value.year, value.month, value.day, tzinfo=dt.timezone.utc)
+    return dt.datetime.fromisoformat(str(value).replace("Z", "+00:00"))

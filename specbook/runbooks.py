@@ -1,0 +1,233 @@
+"""Runbooks: jupytext percent-format notebooks in runbooks/, their YAML header and their parameters cell.
+
+The header is the first markdown cell's ```yaml block; the cell tagged `parameters` holds literal defaults, whose
+types are the types a parameter accepts (from the annotation when there is one).
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jupytext
+import yaml
+
+from specbook import RunFailed, SpecbookError
+
+ROOT_ENV = "SPECBOOK_ROOT"
+INJECTED = ("outputs_dir", "upstream")  # set by specbook when the parameters cell declares them
+HEADER_KEYS = {"title", "reproduces", "feeds", "depends", "inputs", "profiles", "timeout", "cell_timeout"}
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict}
+
+
+@dataclass
+class Param:
+    name: str
+    default: Any
+    types: tuple[type, ...] | None  # None: any literal (a None default without annotation)
+    nullable: bool = False
+
+    def describe(self) -> str:
+        names = "any" if self.types is None else " | ".join(t.__name__ for t in self.types)
+        return names + (" | None" if self.nullable else "")
+
+
+@dataclass
+class Runbook:
+    name: str
+    path: Path
+    title: str
+    profiles: dict[str, dict[str, Any]]
+    parameters: dict[str, Param]
+    reproduces: list[str] = field(default_factory=list)
+    feeds: list[str] = field(default_factory=list)
+    depends: list[str] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)
+    timeout: float = 3600.0
+    cell_timeout: float = 600.0
+
+    @property
+    def source(self) -> str:
+        return self.path.read_text(encoding="utf-8")
+
+    def params_for(self, profile: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Effective parameters on a profile: defaults, then the profile's overrides, then the caller's."""
+        if profile not in self.profiles:
+            have = ", ".join(self.profiles) or "none"
+            raise RunFailed(f"runbook {self.name} cannot run on profile {profile} (its profiles: {have})")
+        params = {n: p.default for n, p in self.parameters.items() if n not in INJECTED}
+        params.update(self.profiles[profile])
+        params.update(overrides or {})
+        return params
+
+
+def find_root(explicit: str | os.PathLike | None = None) -> Path:
+    """The repository root: --root, else $SPECBOOK_ROOT, else the nearest parent of cwd holding runbooks/."""
+    given = explicit or os.environ.get(ROOT_ENV)
+    if given:
+        root = Path(given).resolve()
+        if not (root / "runbooks").is_dir():
+            raise SpecbookError(f"{root} has no runbooks/ directory")
+        return root
+    for d in (Path.cwd(), *Path.cwd().parents):
+        if (d / "runbooks").is_dir() and (d / "pyproject.toml").exists():
+            return d
+    raise SpecbookError("not inside a specbook repository (no runbooks/ above the current directory); use --root")
+
+
+def discover(root: Path) -> list[str]:
+    return sorted(p.stem for p in (root / "runbooks").glob("*.py") if _NAME.match(p.stem))
+
+
+def check_name(name: str) -> None:
+    if "/" in name or "\\" in name or ".." in name or not _NAME.match(name):
+        raise SpecbookError(f"invalid runbook name {name!r}: use a plain name without path separators or '..'")
+
+
+def resolve(root: Path, name: str) -> Path:
+    check_name(name)
+    path = root / "runbooks" / f"{name}.py"
+    if not path.exists():
+        close = difflib.get_close_matches(name, discover(root), n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(close)}?" if close else f"; `runbook list` shows the {len(discover(root))}"
+        raise SpecbookError(f"unknown runbook {name!r}{hint}")
+    return path
+
+
+def load(root: Path, name: str) -> Runbook:
+    path = resolve(root, name)
+    try:
+        nb = jupytext.read(path, fmt="py:percent")
+    except Exception as e:  # jupytext raises many types on odd input
+        raise SpecbookError(f"{path}: not a jupytext percent-format notebook: {e}") from None
+    header = _header(path, nb)
+    params = _parameters(path, nb)
+    rb = Runbook(name=name, path=path, title=header["title"], profiles=header["profiles"], parameters=params,
+                 **{k: header[k] for k in ("reproduces", "feeds", "depends", "inputs", "timeout", "cell_timeout")
+                    if k in header})
+    for profile, overrides in rb.profiles.items():
+        for k, v in overrides.items():
+            rb.profiles[profile][k] = check_value(rb, k, v, where=f"profile {profile}")
+    return rb
+
+
+def _header(path: Path, nb) -> dict[str, Any]:
+    cells = [c for c in nb.cells if c.cell_type == "markdown"]
+    m = re.search(r"```ya?ml\s*\n(.*?)```", cells[0].source if cells else "", re.S)
+    if not m:
+        raise SpecbookError(f"{path}: the first markdown cell has no ```yaml header block")
+    try:
+        h = yaml.safe_load(m.group(1))
+    except yaml.YAMLError as e:
+        raise SpecbookError(f"{path}: malformed YAML header: {str(e).splitlines()[0]}") from None
+    if not isinstance(h, dict):
+        raise SpecbookError(f"{path}: the YAML header must be a mapping")
+    if unknown := set(h) - HEADER_KEYS:
+        raise SpecbookError(f"{path}: unknown header keys {sorted(unknown)} (allowed: {sorted(HEADER_KEYS)})")
+    if not isinstance(h.get("title"), str):
+        raise SpecbookError(f"{path}: the header needs a title")
+    for key in ("reproduces", "feeds", "depends", "inputs"):
+        h.setdefault(key, [])
+        if not isinstance(h[key], list) or not all(isinstance(x, str) for x in h[key]):
+            raise SpecbookError(f"{path}: header key {key} must be a list of strings")
+    profiles = h.get("profiles")
+    if not isinstance(profiles, dict) or not profiles:
+        raise SpecbookError(f"{path}: the header needs profiles (e.g. `profiles: {{cpu: {{}}}}`)")
+    for p, o in profiles.items():
+        if o is None:
+            profiles[p] = {}
+        elif not isinstance(o, dict):
+            raise SpecbookError(f"{path}: profile {p} must map parameter names to values")
+    for key in ("timeout", "cell_timeout"):
+        if key in h and (isinstance(h[key], bool) or not isinstance(h[key], (int, float)) or h[key] <= 0):
+            raise SpecbookError(f"{path}: header key {key} must be a positive number of seconds")
+    from specbook.provenance import INPUTS  # the registry of named input fingerprints
+
+    if unknown := [i for i in h["inputs"] if i not in INPUTS]:
+        raise SpecbookError(f"{path}: unknown inputs {unknown} (known: {sorted(INPUTS)})")
+    return h
+
+
+def _parameters(path: Path, nb) -> dict[str, Param]:
+    cells = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    if len(cells) > 1:
+        raise SpecbookError(f"{path}: more than one cell is tagged parameters")
+    if not cells:
+        return {}
+    try:
+        tree = ast.parse(cells[0].source)
+    except SyntaxError as e:
+        raise SpecbookError(f"{path}: parameters cell, line {e.lineno}: {e.msg}") from None
+    params: dict[str, Param] = {}
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else getattr(
+            node, "target", None)
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or not isinstance(target, ast.Name) or node.value is None:
+            raise SpecbookError(f"{path}: parameters cell, line {node.lineno}: only `name = literal` assignments")
+        try:
+            default = ast.literal_eval(node.value)
+        except ValueError:
+            raise SpecbookError(f"{path}: parameters cell, line {node.lineno}: {target.id} must be a literal") from None
+        types, nullable = _annotation(path, node) if isinstance(node, ast.AnnAssign) else _infer(default)
+        params[target.id] = Param(target.id, default, types, nullable)
+    return params
+
+
+def _annotation(path: Path, node: ast.AnnAssign) -> tuple[tuple[type, ...] | None, bool]:
+    names = [n.id if isinstance(n, ast.Name) else getattr(n, "value", "?") for n in ast.walk(node.annotation)
+             if isinstance(n, (ast.Name, ast.Constant))]
+    nullable = bool({"None", None, "Optional"} & set(names))
+    types = tuple(_TYPES[n] for n in names if n in _TYPES)
+    if not types and not nullable or any(n not in _TYPES and n not in ("None", None, "Optional") for n in names):
+        raise SpecbookError(f"{path}: parameters cell, line {node.lineno}: annotation must use {sorted(_TYPES)} | None")
+    return types or None, nullable
+
+
+def _infer(default: Any) -> tuple[tuple[type, ...] | None, bool]:
+    if default is None:
+        return None, True
+    return (float,) if isinstance(default, float) else (type(default),), False
+
+
+def check_value(rb: Runbook, name: str, value: Any, where: str = "parameter") -> Any:
+    """The value as the parameter's type (an int is a valid float), or one clear error."""
+    if name in INJECTED:
+        raise SpecbookError(f"{where}: {name} is set by specbook, not by hand")
+    if name not in rb.parameters:
+        close = difflib.get_close_matches(name, list(rb.parameters), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else f"; declared: {', '.join(rb.parameters) or 'none'}"
+        raise SpecbookError(f"{where}: runbook {rb.name} has no parameter {name!r}{hint}")
+    p = rb.parameters[name]
+    if value is None and p.nullable or p.types is None:
+        return value
+    if float in p.types and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) and bool not in p.types or not isinstance(value, p.types):
+        raise SpecbookError(f"{where}: {name} of runbook {rb.name} must be {p.describe()}, got {value!r}")
+    return value
+
+
+def parse_cli(rb: Runbook, pairs: tuple[str, ...]) -> dict[str, Any]:
+    """`-p key=value` pairs as typed values; strings stay raw for str parameters."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key:
+            raise SpecbookError(f"-p {pair!r}: expected key=value")
+        p = rb.parameters.get(key)
+        value = text if p is not None and p.types == (str,) else _literal(text)
+        out[key] = check_value(rb, key, value, where=f"-p {pair}")
+    return out
+
+
+def _literal(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return {"true": True, "false": False, "none": None, "null": None}.get(text.strip().lower(), text)
