@@ -58,7 +58,10 @@ class ServerProcess:
 
     def __init__(self, cfg: LaunchConfig, log_path: str | Path | None = None):
         self.cfg = cfg
-        self.log_path = Path(log_path or tempfile.mkstemp(prefix=f"{type(self).__name__}-", suffix=".log")[1])
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix=f"{type(self).__name__}-", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
