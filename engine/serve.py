@@ -569,3 +569,56 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Ite
         server.should_exit = True
         thread.join(timeout=15)
         sock.close()
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+@click.command("serve")
+@click.option("--target", default=None, help="HF-format model directory.")
+@click.option("--shape", default=None, help="Named random-weight shape instead of --target (e.g. tiny).")
+@click.option("--drafter", default=None, help="EAGLE-3 drafter directory; without it the target decodes alone.")
+@click.option("--device", default=None, help="cuda when available, else cpu.")
+@click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--max-seq-len", default=4096, show_default=True, type=click.IntRange(min=16), help="Cache length.")
+@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True)
+@click.option("--steps", default=2, show_default=True, type=click.IntRange(min=1), help="Draft steps per cycle.")
+@click.option("--topk", default=1, show_default=True, type=click.IntRange(min=1), help="1: chain; > 1: tree.")
+@click.option("--draft-tokens", default=None, type=click.IntRange(min=2), help="Tree budget (default steps + 1).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Bind address; loopback unless told.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--api-key", default=None, envvar="SPECBOOK_API_KEY", help="Require 'Authorization: Bearer KEY'.")
+@click.option("--model-name", default="specbook", show_default=True, help="Model id reported to clients.")
+@click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-prompt-tokens", default=None, type=click.IntRange(min=1), help="Default: the cache - 1.")
+@click.option("--max-tokens-limit", default=4096, show_default=True, type=click.IntRange(min=1))
+@click.option("--queue-size", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Requests waiting behind the running one; beyond it: 429.")
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+def serve_command(target: str | None, shape: str | None, drafter: str | None, device: str | None, dtype: str,
+                  max_seq_len: int, cuda_graphs: bool, steps: int, topk: int, draft_tokens: int | None, host: str,
+                  port: int, api_key: str | None, model_name: str, max_body_bytes: int,
+                  max_prompt_tokens: int | None, max_tokens_limit: int, queue_size: int, debug: bool) -> None:
+    """OpenAI-compatible server for the bundled engine (/v1/completions, /v1/chat/completions, /metrics)."""
+    import torch
+    import uvicorn
+
+    from engine.runtime import Engine
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+    try:
+        if (target is None) == (shape is None):
+            raise EngineError("give exactly one of --target DIR or --shape NAME")
+        eng = Engine.load(target=target, shape=shape, drafter=drafter, device=device, dtype=dtype,
+                          max_seq_len=max_seq_len, cuda_graphs=cuda_graphs, steps=steps, topk=topk,
+                          draft_tokens=draft_tokens or steps + 1)
+    except EngineError as e:
+        if debug:
+            raise
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        click.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
+    cfg = ServeConfig(model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
+                      max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit, queue_size=queue_size)
+    uvicorn.run(create_app(eng, cfg, load_chat_template(target)), host=host, port=port, log_level="info")
