@@ -65,6 +65,7 @@ class Claim:
     line: int
     start: int  # offsets of the literal in the file's text
     end: int
+    marker: tuple[int, int]  # offsets of the whole marker pair around it
     runbook: str
     profile: str
     metric: str
@@ -167,7 +168,7 @@ def parse_claims(text: str, file: str) -> tuple[list[Claim], list[Problem]]:
             problems.append(Problem(file, line, f"claim {m.group('runbook')}/{m.group('profile')}/"
                                                 f"{m.group('metric')}: bad fmt={fmt!r}"))
             continue
-        claims.append(Claim(file, line, m.start("literal"), m.end("literal"), m.group("runbook"),
+        claims.append(Claim(file, line, m.start("literal"), m.end("literal"), m.span(), m.group("runbook"),
                             m.group("profile"), m.group("metric"), fmt, m.group("literal")))
     covered += [(m.start(), m.end()) for m in CITE_RE.finditer(masked)]
     for m in ANY_MARKER_RE.finditer(masked):
@@ -233,12 +234,12 @@ def _masked_markers(text: str) -> str:
     return masked
 
 
-def claim_verdict(root: Path, claim: Claim, metric: dict, cache: dict) -> str:
-    """fresh / stale / drifted / failed / not verifiable here, for the record behind a claim."""
+def record_verdict(root: Path, runbook: str, profile: str, metric: str, cache: dict) -> str:
+    """fresh / stale / drifted / failed / not verifiable here, for one recorded metric."""
     # TODO(issue 3): replace with specbook.verify once it lands; until then reported runs are the only verdict.
-    data = cache.get(claim.runbook) or {}
-    runs = ((data.get("profiles") or {}).get(claim.profile) or {}).get("runs") or []
-    run = next((r for r in runs if r.get("id") == metric.get("run")), {})
+    entry = find_metric(root, runbook, profile, metric, cache) or {}
+    runs = ((cache.get(runbook) or {}).get("profiles") or {}).get(profile, {}).get("runs") or []
+    run = next((r for r in runs if r.get("id") == entry.get("run")), {})
     return "not verifiable here" if run.get("source") == "reported" else "fresh"
 
 
@@ -254,7 +255,7 @@ def check_claim(root: Path, claim: Claim, cache: dict, verdicts: bool = True) ->
         return [Problem(claim.file, claim.line,
                         f"claim {claim.key}: literal {claim.literal!r} != record {expected!r} (run `runbook run`)")]
     if verdicts:
-        verdict = claim_verdict(root, claim, metric, cache)
+        verdict = record_verdict(root, claim.runbook, claim.profile, claim.metric, cache)
         if verdict.split()[0] in FAILING_VERDICTS:
             return [Problem(claim.file, claim.line, f"claim {claim.key}: record is {verdict}")]
     return []

@@ -1,0 +1,255 @@
+"""Generated parts of the MkDocs site, and the MkDocs hooks that add them at build time.
+
+mkdocs.yml names this file under `hooks:`, so `mkdocs build` adds, without writing into docs/:
+- `dashboard.md`: every record in baselines/*.yaml with its verdict badge, hardware, date and a history plot (SVG);
+- `llms.txt` and `llms-full.txt`: an index and the full text of the docs, for agents;
+- an admonition on each page whose claims are not fresh (reported, stale, drifted), and the verdict on hover.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import html
+import io
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specbook import claims
+
+VERDICT_ADMONITION = {"not verifiable here": "info", "stale": "warning", "drifted": "danger", "failed": "danger"}
+
+
+@dataclass
+class Row:
+    runbook: str
+    profile: str
+    metric: str
+    value: float
+    unit: str
+    direction: str
+    tolerance: dict
+    verdict: str
+    source: str
+    hardware: str
+    date: str
+    history: list = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return f"{self.runbook}/{self.profile}/{self.metric}"
+
+
+def format_number(value: float) -> str:
+    """How the dashboard shows a value: enough digits to read it back exactly as recorded (up to 6)."""
+    return f"{value:.6g}"
+
+
+def _hardware(profile: str, run: dict) -> str:
+    gpu = (run.get("provenance") or {}).get("gpu") or {}
+    if isinstance(gpu, dict) and gpu.get("name"):
+        return f"{gpu.get('count', 1)}x {gpu['name']}" if gpu.get("count", 1) != 1 else gpu["name"]
+    return profile
+
+
+def _date(value) -> str:
+    if isinstance(value, dt.datetime):
+        return value.strftime("%Y-%m-%d %H:%M")
+    return str(value or "")[:16].replace("T", " ")
+
+
+def record_rows(root: Path | str) -> list[Row]:
+    """One row per recorded metric of every baselines/*.yaml, with its verdict."""
+    root, cache, rows = Path(root), {}, []
+    for path in sorted((root / "baselines").glob("*.yaml")):
+        runbook = path.stem
+        data = claims.load_record_file(root, runbook) or {}
+        cache[runbook] = data
+        for profile, prof in sorted((data.get("profiles") or {}).items()):
+            runs = {r.get("id"): r for r in prof.get("runs") or []}
+            for name, m in sorted((prof.get("metrics") or {}).items()):
+                run = runs.get(m.get("run"), {})
+                rows.append(Row(runbook, profile, name, m["value"], m.get("unit", ""), m.get("direction", ""),
+                                m.get("tolerance") or {}, claims.record_verdict(root, runbook, profile, name, cache),
+                                run.get("source", "measured"), _hardware(profile, run), _date(run.get("date")),
+                                m.get("history") or []))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- dashboard
+
+
+def badge(verdict: str) -> str:
+    slug = re.sub(r"\W+", "-", verdict).strip("-")
+    return f'<span class="verdict verdict-{slug}">{html.escape(verdict)}</span>'
+
+
+def history_svg(rows: list[Row]) -> str:
+    """Small multiples: each metric's recorded history, with the tolerance band around the current value."""
+    import matplotlib  # noqa: PLC0415 - heavy, only needed when the site is built
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    cols = min(len(rows), 4)
+    nrows = -(-len(rows) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 2.2 * nrows), squeeze=False)
+    for ax in axes.flat[len(rows):]:
+        ax.axis("off")
+    for ax, row in zip(axes.flat, rows):
+        values = [h["value"] for h in row.history] or [row.value]
+        x = range(1, len(values) + 1)
+        tol = max(row.tolerance.get("rel", 0.0) * abs(row.value), row.tolerance.get("abs", 0.0))
+        ax.axhspan(row.value - tol, row.value + tol, color="tab:green", alpha=0.15, lw=0)
+        ax.plot(x, values, marker="o", color="tab:blue")
+        ax.set_title(f"{row.metric} ({row.unit})", fontsize=9)
+        ax.set_xticks(list(x))
+        ax.set_xlabel("run", fontsize=8)
+        ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _table(rows: list[Row]) -> str:
+    head = "<tr><th>metric</th><th>value</th><th>unit</th><th>better</th><th>tolerance</th><th>verdict</th></tr>"
+    body = []
+    for r in rows:
+        tol = ", ".join(f"{k} {v:g}" for k, v in r.tolerance.items() if v) or "exact"
+        body.append(f'<tr><td>{r.metric}</td><td class="value" data-record="{r.key}">{format_number(r.value)}</td>'
+                    f"<td>{html.escape(r.unit)}</td><td>{r.direction}</td><td>{tol}</td><td>{badge(r.verdict)}</td></tr>")
+    return f'<table class="records">\n{head}\n' + "\n".join(body) + "\n</table>"
+
+
+def executed_notebooks(root: Path) -> dict[str, str]:
+    """runbook name -> docs-relative path of its executed notebook, for those that exist."""
+    folder = Path(root) / "docs" / "runbooks" / "executed"
+    return {p.stem: f"runbooks/executed/{p.name}" for p in sorted(folder.glob("*.ipynb"))}
+
+
+def dashboard(root: Path | str) -> tuple[str, dict[str, str]]:
+    """(dashboard.md text, {docs-relative path: SVG text} of its plots)."""
+    root = Path(root)
+    rows, notebooks = record_rows(root), executed_notebooks(root)
+    groups: dict[tuple[str, str], list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.runbook, r.profile), []).append(r)
+    out = ["# Baselines dashboard", "",
+           "Every number recorded in `baselines/`, per runbook and hardware profile, with its verdict on this "
+           "machine. Generated from the records at build time; see the [runbook guide](runbooks/index.md) for what "
+           "the verdicts mean and how to reproduce a number.", ""]
+    if not rows:
+        out.append("No records yet: run `runbook run NAME`.")
+    for (runbook, profile), group in groups.items():
+        first = group[0]
+        out += [f"## {runbook} / {profile}", "",
+                f"**Hardware:** {html.escape(first.hardware)} &nbsp; **Recorded:** {first.date} &nbsp; "
+                f"**Source:** {first.source}", ""]
+        verdicts = sorted({r.verdict for r in group if r.verdict in VERDICT_ADMONITION})
+        for v in verdicts:
+            why = ("reported from hardware this project cannot reach, or recorded on another hardware profile"
+                   if v == "not verifiable here" else f"re-run `runbook verify {runbook}`")
+            out += [f'!!! {VERDICT_ADMONITION[v]} "{v.capitalize()}"', f"    Numbers marked *{v}*: {why}.", ""]
+        if runbook in notebooks:
+            out += [f"Executed notebook: [{runbook}]({notebooks[runbook]})", ""]
+        out += [_table(group), "", f"![history of {runbook} / {profile}](dashboard/{runbook}-{profile}.svg)", ""]
+    plots = {f"dashboard/{rb}-{pf}.svg": history_svg(g) for (rb, pf), g in groups.items()}
+    return "\n".join(out) + "\n", plots
+
+
+# ---------------------------------------------------------------------------------------------- llms.txt
+
+
+def _pages(root: Path) -> list[tuple[str, dict, str]]:
+    """(docs-relative path, front matter, body) of every docs page."""
+    docs = Path(root) / "docs"
+    out = []
+    for path in claims.doc_files(root):
+        if path.is_relative_to(docs):
+            text = path.read_text()
+            meta, start = claims.split_front_matter(text)
+            out.append((path.relative_to(docs).as_posix(), meta or {}, text[start:]))
+    return out
+
+
+def _summary(body: str) -> str:
+    paras = [p for p in re.split(r"\n\s*\n", body) if p.strip() and not p.lstrip().startswith(("#", "|", "-", "`"))]
+    text = re.sub(r"<!--.*?-->", "", paras[0] if paras else "", flags=re.S)
+    return " ".join(text.split())[:200]
+
+
+def _url(doc_path: str) -> str:
+    stem = doc_path.removesuffix(".md")
+    return "./" if stem == "index" else (stem.removesuffix("/index") + "/")
+
+
+def llms_txt(root: Path | str) -> str:
+    lines = ["# specbook", "",
+             "> The executable knowledge base of an EAGLE-3 speculative-decoding project (a Kimi-K2 drafter moved to "
+             "Kimi-K2.5): docs whose numbers are tied to recorded, re-runnable runs.", "",
+             "Numbers in these pages are claims tied to records in baselines/; check their verdicts on the dashboard "
+             "or with `runbook context` before trusting them.", "", "## Docs", ""]
+    for path, meta, body in _pages(Path(root)):
+        lines.append(f"- [{meta.get('title', path)}]({_url(path)}): {_summary(body)}")
+    lines += ["", "## Optional", "", "- [Baselines dashboard](dashboard/): every recorded number with its verdict",
+              "- [Full text](llms-full.txt): all pages in one file"]
+    return "\n".join(lines) + "\n"
+
+
+def llms_full_txt(root: Path | str) -> str:
+    root = Path(root)
+    parts = [llms_txt(root)]
+    for path, meta, body in _pages(root):
+        parts.append(f"\n---\n\n<!-- page: docs/{path} status: {meta.get('status')} updated: {meta.get('updated')} -->"
+                     f"\n\n{body.strip()}\n")
+    parts.append("\n---\n\n" + dashboard(root)[0])
+    return "".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------- MkDocs hooks
+
+
+def _root(config) -> Path:
+    return Path(config["config_file_path"]).resolve().parent
+
+
+def on_files(files, config):
+    from mkdocs.structure.files import File  # noqa: PLC0415 - only inside a MkDocs build
+
+    root = _root(config)
+    text, plots = dashboard(root)
+    files.append(File.generated(config, "dashboard.md", content=text))
+    for path, svg in plots.items():
+        files.append(File.generated(config, path, content=svg))
+    files.append(File.generated(config, "llms.txt", content=llms_txt(root)))
+    files.append(File.generated(config, "llms-full.txt", content=llms_full_txt(root)))
+    return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    """Claims and citations rendered as spans that show their record and verdict on hover (the markers are block
+    comments to Markdown and would split paragraphs), and an admonition for numbers that are not fresh."""
+    root, cache, flagged, edits = _root(config), {}, {}, []
+    for c in claims.parse_claims(markdown, page.file.src_uri)[0]:
+        verdict = claims.record_verdict(root, c.runbook, c.profile, c.metric, cache)
+        if verdict in VERDICT_ADMONITION:
+            flagged.setdefault(verdict, set()).add(f"{c.runbook}/{c.profile}")
+        edits.append((*c.marker, f'<span class="claim" title="{html.escape(f"{c.key}: {verdict}")}">{c.literal}</span>'))
+    for m in claims.CITE_RE.finditer(claims.prose_mask(markdown)):
+        edits.append((m.start(), m.end(), f'<span class="cite" title="{html.escape(m.group("source"))}">'
+                                          f'{markdown[m.start("text"):m.end("text")]}</span>'))
+    for start, end, new in sorted(edits, reverse=True):
+        markdown = markdown[:start] + new + markdown[end:]
+    if not flagged:
+        return markdown
+    up = "../" * page.file.src_uri.count("/")
+    notes = []
+    for verdict, where in sorted(flagged.items()):
+        notes += [f'!!! {VERDICT_ADMONITION[verdict]} "Some numbers here are {verdict}"',
+                  f"    Numbers from {', '.join(f'`{w}`' for w in sorted(where))} are *{verdict}*; "
+                  f"see the [dashboard]({up}dashboard.md) for their source and date.", ""]
+    head, _, rest = markdown.partition("\n")
+    if head.startswith("# "):
+        return head + "\n\n" + "\n".join(notes) + "\n" + rest
+    return "\n".join(notes) + "\n" + markdown
