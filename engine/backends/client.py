@@ -71,7 +71,8 @@ class BenchSummary:
     duration_s: float
     completion_tokens: int
     output_tok_s: float  # all completion tokens / wall time
-    request_tok_s: Stats | None  # per request: completion tokens / latency (batch-1 speed at concurrency 1)
+    request_tok_s: Stats | None  # per request: completion tokens / latency, prefill included
+    decode_tok_s: Stats | None  # per request: (tokens - 1) / (latency - ttft), prefill excluded; streaming only
     ttft_ms: Stats | None
     itl_ms: Stats | None
     tpot_ms: Stats | None  # per request: (latency - ttft) / (tokens - 1)
@@ -196,12 +197,13 @@ def summarize(url: str, results: list[RequestResult], concurrency: int, duration
     if accept is None and after is not None:
         accept, source = (after - (before or vllm.SpecCounters())).accept_length, "vllm-metrics"
     tpot = [(r.latency_s - r.ttft_s) / (r.completion_tokens - 1)
-            for r in ok if r.ttft_s is not None and r.completion_tokens > 1]
+            for r in ok if r.ttft_s is not None and r.completion_tokens > 1 and r.latency_s > r.ttft_s]
     ms = 1000.0
     return BenchSummary(
         url=url, requests=len(results), concurrency=concurrency, ok=len(ok), failed=len(results) - len(ok),
         duration_s=duration, completion_tokens=tokens, output_tok_s=tokens / duration if duration > 0 else 0.0,
         request_tok_s=Stats.of([r.completion_tokens / r.latency_s for r in ok if r.latency_s > 0]),
+        decode_tok_s=Stats.of([1.0 / t for t in tpot]),
         ttft_ms=Stats.of([r.ttft_s * ms for r in ok if r.ttft_s is not None]),
         itl_ms=Stats.of([g * ms for r in ok for g in r.chunk_gaps_s]),
         tpot_ms=Stats.of([t * ms for t in tpot]),
@@ -216,7 +218,8 @@ def format_table(s: BenchSummary) -> str:
             ("duration s", f"{s.duration_s:.2f}"), ("completion tokens", str(s.completion_tokens)),
             ("output tok/s", f"{s.output_tok_s:.1f}"),
             ("accept length", "n/a" if s.accept_length is None else f"{s.accept_length:.3f} ({s.accept_source})")]
-    for name, st in (("request tok/s", s.request_tok_s), ("TTFT ms", s.ttft_ms), ("ITL ms", s.itl_ms),
+    for name, st in (("request tok/s", s.request_tok_s), ("decode tok/s", s.decode_tok_s), ("TTFT ms", s.ttft_ms),
+                     ("ITL ms", s.itl_ms),
                      ("TPOT ms", s.tpot_ms), ("latency s", s.latency_s)):
         if st is not None:
             rows.append((name, f"mean {st.mean:.2f}  p50 {st.p50:.2f}  p90 {st.p90:.2f}  p99 {st.p99:.2f}"))
