@@ -4,8 +4,10 @@ errors naming the failing cell and the partly executed notebook."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -17,9 +19,10 @@ import papermill
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from papermill.exceptions import PapermillExecutionError
 
-from specbook import RunFailed
+from specbook import RunFailed, SpecbookError, records
+from specbook.provenance import engine_hash, fingerprint, input_fingerprint, inputs_hash, now_iso
 from specbook.record import RECORD_FILE_ENV, Metric, read_metrics
-from specbook.runbooks import Runbook
+from specbook.runbooks import Runbook, load
 
 KERNEL = "python3"
 OWN_KERNEL = "specbook-python"  # installed into this venv when python3 would start another interpreter
@@ -117,3 +120,104 @@ def execute(root: Path, rb: Runbook, params: dict[str, Any], notebook: Path, pro
     except ValueError as e:
         raise RunFailed(f"runbook {rb.name}: {e}") from None
     return Execution(metrics, notebook, time.monotonic() - start)
+
+
+# ------------------------------------------------------------------------------------------- targets and runs
+
+
+@dataclass
+class Target:
+    """A runbook on one profile with its effective parameters; outputs are cached under its inputs hash."""
+
+    rb: Runbook
+    profile: str
+    params: dict[str, Any]
+    inputs: dict[str, str]  # declared input fingerprints
+    upstream: dict[str, "Target"]
+    inputs_hash: str
+    outputs_dir: Path
+
+    @property
+    def done(self) -> bool:
+        return (self.outputs_dir / DONE).exists()
+
+    def injected(self) -> dict[str, Any]:
+        declared = self.rb.parameters
+        extra: dict[str, Any] = {}
+        if "outputs_dir" in declared:
+            extra["outputs_dir"] = str(self.outputs_dir)
+        if "upstream" in declared:
+            extra["upstream"] = {d: str(t.outputs_dir) for d, t in self.upstream.items()}
+        return {**self.params, **extra}
+
+
+DONE = "DONE"
+
+
+def target(root: Path, name: str, profile: str, overrides: dict[str, Any] | None = None,
+           _chain: tuple[str, ...] = ()) -> Target:
+    """Resolve a runbook and, recursively, its dependencies on a profile (no execution, no torch import)."""
+    if name in _chain:
+        raise SpecbookError(f"dependency cycle: {' -> '.join((*_chain, name))}")
+    rb = load(root, name)
+    params = rb.params_for(profile, overrides)
+    upstream = {d: target(root, d, profile, None, (*_chain, name)) for d in rb.depends}
+    inputs = {i: input_fingerprint(root, i) for i in rb.inputs}
+    h = inputs_hash(rb.source, params, engine_hash(root), {d: t.inputs_hash for d, t in upstream.items()}, inputs)
+    return Target(rb, profile, params, inputs, upstream, h, root / ".specbook" / "outputs" / name / profile / h)
+
+
+@dataclass
+class Outcome:
+    target: Target
+    execution: Execution
+    run_id: str | None  # None when nothing was recorded (verify, or no metrics)
+
+
+def run(root: Path, t: Target, *, record: bool, force: bool = False, progress: bool = True,
+        log=print, _ran: set[str] | None = None) -> list[Outcome]:
+    """Run missing or stale dependencies (all of them with force), then `t`; record each run when `record`."""
+    ran = set() if _ran is None else _ran
+    outcomes: list[Outcome] = []
+    for dep in t.upstream.values():
+        if dep.rb.name not in ran and (force or not dep.done):
+            outcomes += run(root, dep, record=record, force=force, progress=progress, log=log, _ran=ran)
+    log(f"running {t.rb.name} on {t.profile} (inputs {t.inputs_hash})")
+    t.outputs_dir.mkdir(parents=True, exist_ok=True)
+    (t.outputs_dir / DONE).unlink(missing_ok=True)
+    notebook = root / ".specbook" / "runs" / f"{t.rb.name}-{t.profile}.ipynb"
+    ex = execute(root, t.rb, t.injected(), notebook, progress)
+    if missing := [m for m in t.rb.reproduces if m not in {x.name for x in ex.metrics}]:
+        raise RunFailed(f"runbook {t.rb.name} declares reproduces {missing} but did not record them "
+                        f"(notebook: {notebook})")
+    run_id = _record(root, t, ex) if record and ex.metrics else None
+    if record:
+        _publish(notebook, root / EXECUTED / f"{t.rb.name}-{t.profile}.ipynb")
+    (t.outputs_dir / DONE).write_text(json.dumps({"run": run_id, "date": now_iso()}) + "\n")
+    ran.add(t.rb.name)
+    return [*outcomes, Outcome(t, ex, run_id)]
+
+
+EXECUTED = Path("docs") / "runbooks" / "executed"  # the site renders the notebook behind each record
+
+
+def _record(root: Path, t: Target, ex: Execution) -> str:
+    date = now_iso()
+    params = _plain(t.params)
+    run = {"id": records.new_run_id(date), "date": date, "source": "measured", "inputs_hash": t.inputs_hash,
+           "parameters": params,
+           "provenance": _plain(fingerprint(root, t.rb.source, params, t.inputs))}
+    records.add_run(root, t.rb.name, t.profile, run, ex.metrics)
+    return run["id"]
+
+
+def _plain(obj: Any) -> Any:
+    """Only plain YAML types (no tuples, no str subclasses such as torch's version)."""
+    return json.loads(json.dumps(obj, default=str))
+
+
+def _publish(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)

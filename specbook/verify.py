@@ -1,0 +1,158 @@
+"""Verdicts on recorded numbers: fresh, stale, drifted (regression / improvement / changed), not verifiable here,
+failed. `status` compares input hashes only; `verify` re-runs what can run here and compares with tolerance."""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from specbook import RunFailed, SpecbookError, records
+from specbook.execute import run, target
+from specbook.runbooks import discover, load
+
+FRESH, STALE, DRIFTED, ELSEWHERE, FAILED, UNRECORDED = (
+    "fresh", "stale", "drifted", "not verifiable here", "failed", "unrecorded")
+
+
+@dataclass
+class Verdict:
+    runbook: str
+    profile: str
+    metric: str
+    verdict: str
+    recorded: float | None = None
+    measured: float | None = None
+    unit: str = ""
+    change: str | None = None  # drifted: regression | improvement | changed (direction none)
+    age: str = ""  # how old the recorded number is
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def exit_code(verdicts: list[Verdict]) -> int:
+    """3 when something failed, else 1 when something drifted, else 0."""
+    kinds = {v.verdict for v in verdicts}
+    return 3 if FAILED in kinds else 1 if DRIFTED in kinds else 0
+
+
+def drift(entry: dict[str, Any], value: float) -> str | None:
+    """None within tolerance (max of relative and absolute), else regression / improvement / changed."""
+    recorded = entry["value"]
+    tol = entry.get("tolerance", {})
+    allowed = max(tol.get("rel", 0.0) * abs(recorded), tol.get("abs", 0.0))
+    delta = value - recorded
+    if abs(delta) <= allowed + 1e-12 * max(1.0, abs(recorded)):  # float noise is not drift
+        return None
+    if entry["direction"] == "none":
+        return "changed"
+    return "improvement" if (delta > 0) == (entry["direction"] == "higher") else "regression"
+
+
+def age(date: Any, now: dt.datetime | None = None) -> str:
+    seconds = ((now or dt.datetime.now(dt.timezone.utc)) - records.parse_date(date)).total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{max(int(seconds), 0)}s"
+
+
+def _names(root: Path, names: list[str] | None) -> list[str]:
+    if names:
+        for n in names:
+            if not records.path_for(root, n).exists():
+                load(root, n)  # unknown names fail here with suggestions
+        return list(names)
+    return sorted(set(discover(root)) | {p.stem for p in (root / records.BASELINES).glob("*.yaml")})
+
+
+def _current_hash(root: Path, name: str, profile: str, cache: dict) -> str | Exception:
+    key = (name, profile)
+    if key not in cache:
+        try:
+            cache[key] = target(root, name, profile).inputs_hash
+        except SpecbookError as e:  # runbook gone, profile dropped, input unavailable: reported, not raised
+            cache[key] = e
+    return cache[key]
+
+
+def _static(root: Path, name: str, profile: str, prof: dict, here: str | None, cache: dict) -> list[Verdict]:
+    """Verdicts without running: reported or other-hardware numbers, and fresh/stale by inputs hash."""
+    out = []
+    for mname, entry in prof["metrics"].items():
+        r = records.run_of(prof, entry["run"])
+        v = Verdict(name, profile, mname, FRESH, entry["value"], None, entry["unit"], age=age(r["date"]))
+        if r["source"] == "reported":
+            v.verdict, v.detail = ELSEWHERE, "reported, never re-run"
+        elif here is not None and profile != here:
+            v.verdict, v.detail = ELSEWHERE, f"profile {profile}, this machine is {here}"
+        else:
+            h = _current_hash(root, name, profile, cache)
+            if isinstance(h, Exception):
+                v.verdict, v.detail = FAILED, str(h)
+            elif h != r["inputs_hash"]:
+                v.verdict, v.detail = STALE, "inputs changed since it was recorded"
+        out.append(v)
+    return out
+
+
+def status(root: Path, names: list[str] | None = None) -> list[Verdict]:
+    """Fresh or stale for every recorded number of every profile; hashes only, nothing runs."""
+    out, cache = [], {}
+    for name in _names(root, names):
+        rf = records.load(records.path_for(root, name))
+        if not rf.data["profiles"]:
+            out.append(Verdict(name, "-", "-", UNRECORDED))
+        for profile, prof in rf.data["profiles"].items():
+            out += _static(root, name, profile, prof, None, cache)
+    return out
+
+
+def verify(root: Path, here: str, names: list[str] | None = None, profile: str | None = None,
+           progress: bool = True, log=print) -> list[Verdict]:
+    """Re-run every runbook with measured numbers on this machine's profile and compare; report the others."""
+    out, cache = [], {}
+    for name in _names(root, names):
+        rf = records.load(records.path_for(root, name))
+        for pname, prof in rf.data["profiles"].items():
+            if profile is not None and pname != profile:
+                continue
+            static = _static(root, name, pname, prof, here, cache)
+            if pname != here or all(v.verdict in (ELSEWHERE, FAILED) for v in static):
+                out += static
+                continue
+            out += _rerun(root, name, pname, prof, static, progress, log)
+        if not rf.data["profiles"] and (profile in (None, here)):
+            out.append(Verdict(name, here, "-", UNRECORDED))
+    return out
+
+
+def _rerun(root: Path, name: str, profile: str, prof: dict, static: list[Verdict], progress: bool,
+           log) -> list[Verdict]:
+    try:
+        t = target(root, name, profile)
+        measured = {m.name: m.value for m in run(root, t, record=False, progress=progress, log=log)[-1]
+                    .execution.metrics}
+    except RunFailed as e:
+        return [_with(v, FAILED, str(e)) if v.verdict != ELSEWHERE else v for v in static]
+    out = []
+    for v in static:
+        if v.verdict == ELSEWHERE:
+            out.append(v)
+        elif v.metric not in measured:
+            out.append(_with(v, FAILED, "the re-run did not record it"))
+        else:
+            v.measured = measured[v.metric]
+            v.change = drift(prof["metrics"][v.metric], v.measured)
+            out.append(_with(v, DRIFTED, v.change) if v.change else v)
+    return out
+
+
+def _with(v: Verdict, verdict: str, detail: str) -> Verdict:
+    # a stale record that also drifted says both
+    stale = "; inputs changed since it was recorded" if v.verdict == STALE else ""
+    v.verdict, v.detail = verdict, detail + stale
+    return v
