@@ -85,10 +85,12 @@ class BenchSummary:
         return dataclasses.asdict(self)
 
 
-def build_body(prompt: str, *, chat: bool, model: str, max_tokens: int, temperature: float,
-               stream: bool) -> dict[str, Any]:
+def build_body(prompt: str, *, chat: bool, model: str, max_tokens: int, temperature: float, stream: bool,
+               ignore_eos: bool = False) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": temperature,
                             "stream": stream, "return_meta_info": True}  # SGLang: per-request spec stats
+    if ignore_eos:  # SGLang / vLLM / bundled extension: every answer runs to max_tokens
+        body["ignore_eos"] = True
     if stream:
         body["stream_options"] = {"include_usage": True}
     if chat:
@@ -153,6 +155,15 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict[str, Any]
     return res
 
 
+async def _served_model(client: httpx.AsyncClient) -> str:
+    """The first model id of /v1/models: vLLM answers 404 to a model name it does not serve."""
+    try:
+        r = await client.get("/v1/models")
+        return r.json()["data"][0]["id"] if r.status_code == 200 else "default"
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return "default"
+
+
 async def _scrape_counters(client: httpx.AsyncClient) -> vllm.SpecCounters | None:
     try:
         r = await client.get("/metrics")
@@ -163,8 +174,8 @@ async def _scrape_counters(client: httpx.AsyncClient) -> vllm.SpecCounters | Non
 
 async def run_benchmark(url: str, prompts: list[str] | tuple[str, ...] = DEFAULT_PROMPTS, *, requests: int = 16,
                         concurrency: int = 1, max_tokens: int = 128, temperature: float = 0.0, chat: bool = True,
-                        stream: bool = True, model: str = "default", api_key: str | None = None,
-                        timeout_s: float = 600.0) -> BenchSummary:
+                        stream: bool = True, ignore_eos: bool = False, model: str | None = None,
+                        api_key: str | None = None, timeout_s: float = 600.0) -> BenchSummary:
     """Send `requests` requests (prompts in turn), at most `concurrency` at a time, and summarize them."""
     if requests < 1 or concurrency < 1 or not prompts:
         raise EngineError("need requests >= 1, concurrency >= 1 and at least one prompt")
@@ -173,12 +184,13 @@ async def run_benchmark(url: str, prompts: list[str] | tuple[str, ...] = DEFAULT
     limits = httpx.Limits(max_connections=concurrency + 1)
     async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s,
                                  limits=limits) as client:
+        model = model or await _served_model(client)
         before = await _scrape_counters(client)
         gate = asyncio.Semaphore(concurrency)
 
         async def bounded(i: int) -> RequestResult:
             body = build_body(prompts[i % len(prompts)], chat=chat, model=model, max_tokens=max_tokens,
-                              temperature=temperature, stream=stream)
+                              temperature=temperature, stream=stream, ignore_eos=ignore_eos)
             async with gate:
                 return await one_request(client, path, body)
 
@@ -245,7 +257,7 @@ def load_prompts(path: str | None) -> list[str]:
 
 @click.command()
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Server base URL.")
-@click.option("--model", default="default", show_default=True, help="Model name sent in each request.")
+@click.option("--model", default=None, help="Model name sent in each request (default: the first of /v1/models).")
 @click.option("--prompts", "prompts_path", default=None, help="Text file (one prompt a line) or .jsonl.")
 @click.option("-n", "--requests", default=16, show_default=True, type=click.IntRange(min=1))
 @click.option("-c", "--concurrency", default=1, show_default=True, type=click.IntRange(min=1))
@@ -253,18 +265,20 @@ def load_prompts(path: str | None) -> list[str]:
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0))
 @click.option("--chat/--completions", default=True, show_default=True, help="Endpoint to use.")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Streaming gives TTFT and ITL.")
+@click.option("--ignore-eos", is_flag=True, help="Generate max_tokens every time (SGLang/vLLM extension).")
 @click.option("--api-key", default=None, envvar="OPENAI_API_KEY")
 @click.option("--timeout", "timeout_s", default=600.0, show_default=True, help="Per-request timeout, seconds.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
-def main(url: str, model: str, prompts_path: str | None, requests: int, concurrency: int, max_tokens: int,
-         temperature: float, chat: bool, stream: bool, api_key: str | None, timeout_s: float, as_json: bool,
-         debug: bool) -> None:
+def main(url: str, model: str | None, prompts_path: str | None, requests: int, concurrency: int, max_tokens: int,
+         temperature: float, chat: bool, stream: bool, ignore_eos: bool, api_key: str | None, timeout_s: float,
+         as_json: bool, debug: bool) -> None:
     """Benchmark an OpenAI-compatible endpoint. Exit code 1 when any request failed, 2 on bad input."""
     try:
         summary = asyncio.run(run_benchmark(
             url, load_prompts(prompts_path), requests=requests, concurrency=concurrency, max_tokens=max_tokens,
-            temperature=temperature, chat=chat, stream=stream, model=model, api_key=api_key, timeout_s=timeout_s))
+            temperature=temperature, chat=chat, stream=stream, ignore_eos=ignore_eos, model=model, api_key=api_key,
+            timeout_s=timeout_s))
     except EngineError as e:
         if debug:
             raise
