@@ -357,7 +357,8 @@ class Generation:
         return "" if self.hit_stop else self.detok.flush()
 
     def meta_info(self) -> dict[str, Any]:
-        tau = self.tokens / self.verify_cycles if self.verify_cycles else None
+        # The first token comes from the prefill, not from a verify cycle (see backends.sglang.accept_length).
+        tau = (self.tokens - 1) / self.verify_cycles if self.verify_cycles else None
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
                 "spec_verify_ct": self.verify_cycles, "spec_accept_token_num": self.accepted_tokens,
                 "spec_accept_length": tau, "e2e_latency": time.perf_counter() - self.t0}
@@ -478,7 +479,7 @@ class Server:
         m.verify_cycles.inc(gen.verify_cycles)
         m.accepted_tokens.inc(gen.accepted_tokens)
         if gen.verify_cycles:
-            m.accept_length.observe(gen.tokens / gen.verify_cycles)
+            m.accept_length.observe((gen.tokens - 1) / gen.verify_cycles)
 
     # ---- the app
     def app(self) -> FastAPI:

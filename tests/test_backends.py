@@ -98,7 +98,7 @@ def test_vllm_counters_delta():
 def test_sglang_accept_length_is_token_weighted():
     metas = [{"completion_tokens": 30, "spec_verify_ct": 10}, {"completion_tokens": 10, "spec_verify_ct": 10},
              {"completion_tokens": 5, "spec_verify_ct": 0}, None]
-    assert sglang.accept_length(metas) == pytest.approx(40 / 20)
+    assert sglang.accept_length(metas) == pytest.approx((29 + 9) / 20)  # prefill token excluded
     assert sglang.accept_length([None, {"completion_tokens": 3}]) is None
 
 
