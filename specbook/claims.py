@@ -22,6 +22,8 @@ from typing import Iterable
 
 import yaml
 
+from specbook import SpecbookError, records, verify
+
 FRONT_MATTER_KEYS = ("title", "status", "updated", "runbooks", "records")
 # Pages the site generates at build time (specbook.site): links to them are not broken.
 GENERATED_PAGES = frozenset({"dashboard.md", "llms.txt", "llms-full.txt"})
@@ -77,32 +79,33 @@ class Claim:
         return f"{self.runbook}/{self.profile}/{self.metric}"
 
 
-class DocsError(Exception):
+class DocsError(SpecbookError):
     """Bad docs input or a refused write; the message is one line for the user."""
 
 
 # ---------------------------------------------------------------------------------------------- records
 
 
-def load_record_file(root: Path, runbook: str) -> dict | None:
-    path = Path(root) / "baselines" / f"{runbook}.yaml"
-    if not path.is_file():
-        return None
-    try:
-        return yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark else ""
-        raise DocsError(f"baselines/{runbook}.yaml{where}: malformed YAML") from None
+def _record(root: Path, runbook: str, cache: dict) -> dict | None:
+    """The parsed baselines/RUNBOOK.yaml (validated by specbook.records), or None when there is none."""
+    if runbook not in cache:
+        path = records.path_for(Path(root), runbook)
+        cache[runbook] = records.load(path).data if path.is_file() else None
+    return cache[runbook]
 
 
 def find_metric(root: Path, runbook: str, profile: str, metric: str, cache: dict | None = None) -> dict | None:
     """The metric entry of a record (value, unit, samples, ...) or None."""
-    cache = {} if cache is None else cache
-    if runbook not in cache:
-        cache[runbook] = load_record_file(root, runbook)
-    data = cache[runbook] or {}
-    return ((data.get("profiles") or {}).get(profile) or {}).get("metrics", {}).get(metric)
+    data = _record(root, runbook, {} if cache is None else cache) or {}
+    return (data["profiles"].get(profile) or {}).get("metrics", {}).get(metric) if data else None
+
+
+def record_verdict(root: Path, runbook: str, profile: str, metric: str, cache: dict) -> str:
+    """fresh / stale / failed / not verifiable here for one recorded metric, from input hashes (nothing runs)."""
+    key = ("verdicts", runbook)
+    if key not in cache:
+        cache[key] = {(v.profile, v.metric): v.verdict for v in verify.status(Path(root), [runbook])}
+    return cache[key].get((profile, metric), verify.UNRECORDED)
 
 
 def format_value(metric: dict, fmt: str) -> str:
@@ -234,15 +237,6 @@ def _masked_markers(text: str) -> str:
     return masked
 
 
-def record_verdict(root: Path, runbook: str, profile: str, metric: str, cache: dict) -> str:
-    """fresh / stale / drifted / failed / not verifiable here, for one recorded metric."""
-    # TODO(issue 3): replace with specbook.verify once it lands; until then reported runs are the only verdict.
-    entry = find_metric(root, runbook, profile, metric, cache) or {}
-    runs = ((cache.get(runbook) or {}).get("profiles") or {}).get(profile, {}).get("runs") or []
-    run = next((r for r in runs if r.get("id") == entry.get("run")), {})
-    return "not verifiable here" if run.get("source") == "reported" else "fresh"
-
-
 def check_claim(root: Path, claim: Claim, cache: dict, verdicts: bool = True) -> list[Problem]:
     metric = find_metric(root, claim.runbook, claim.profile, claim.metric, cache)
     if metric is None:
@@ -257,7 +251,8 @@ def check_claim(root: Path, claim: Claim, cache: dict, verdicts: bool = True) ->
     if verdicts:
         verdict = record_verdict(root, claim.runbook, claim.profile, claim.metric, cache)
         if verdict.split()[0] in FAILING_VERDICTS:
-            return [Problem(claim.file, claim.line, f"claim {claim.key}: record is {verdict}")]
+            return [Problem(claim.file, claim.line,
+                            f"claim {claim.key}: record is {verdict} (`runbook verify {claim.runbook}`)")]
     return []
 
 
@@ -275,7 +270,7 @@ def check_docs(root: Path | str, verdicts: bool = True) -> list[Problem]:
         for claim in claims:
             try:
                 problems += check_claim(root, claim, cache, verdicts)
-            except DocsError as e:
+            except SpecbookError as e:  # a malformed record file: still reported at the claim that needs it
                 problems.append(Problem(claim.file, claim.line, str(e)))
         problems += _check_links(text, path, root, file)
         problems += _check_numbers(text, file)

@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specbook import claims
+from specbook import claims, records, verify
+from specbook.execute import EXECUTED
 
 VERDICT_ADMONITION = {"not verifiable here": "info", "stale": "warning", "drifted": "danger", "failed": "danger"}
 
@@ -58,20 +59,17 @@ def _date(value) -> str:
 
 
 def record_rows(root: Path | str) -> list[Row]:
-    """One row per recorded metric of every baselines/*.yaml, with its verdict."""
-    root, cache, rows = Path(root), {}, []
-    for path in sorted((root / "baselines").glob("*.yaml")):
-        runbook = path.stem
-        data = claims.load_record_file(root, runbook) or {}
-        cache[runbook] = data
-        for profile, prof in sorted((data.get("profiles") or {}).items()):
-            runs = {r.get("id"): r for r in prof.get("runs") or []}
-            for name, m in sorted((prof.get("metrics") or {}).items()):
-                run = runs.get(m.get("run"), {})
-                rows.append(Row(runbook, profile, name, m["value"], m.get("unit", ""), m.get("direction", ""),
-                                m.get("tolerance") or {}, claims.record_verdict(root, runbook, profile, name, cache),
-                                run.get("source", "measured"), _hardware(profile, run), _date(run.get("date")),
-                                m.get("history") or []))
+    """One row per recorded metric of every baselines/*.yaml, with its verdict (from input hashes; nothing runs)."""
+    root = Path(root)
+    verdicts = {(v.runbook, v.profile, v.metric): v.verdict for v in verify.status(root)}
+    rows = []
+    for runbook, rf in records.load_all(root).items():
+        for profile, prof in rf.data["profiles"].items():
+            for name, m in prof["metrics"].items():
+                run = records.run_of(prof, m["run"])
+                rows.append(Row(runbook, profile, name, m["value"], m["unit"], m["direction"], m.get("tolerance") or {},
+                                verdicts.get((runbook, profile, name), verify.UNRECORDED), run["source"],
+                                _hardware(profile, run), _date(run["date"]), m.get("history") or []))
     return rows
 
 
@@ -122,16 +120,10 @@ def _table(rows: list[Row]) -> str:
     return f'<table class="records">\n{head}\n' + "\n".join(body) + "\n</table>"
 
 
-def executed_notebooks(root: Path) -> dict[str, str]:
-    """runbook name -> docs-relative path of its executed notebook, for those that exist."""
-    folder = Path(root) / "docs" / "runbooks" / "executed"
-    return {p.stem: f"runbooks/executed/{p.name}" for p in sorted(folder.glob("*.ipynb"))}
-
-
 def dashboard(root: Path | str) -> tuple[str, dict[str, str]]:
     """(dashboard.md text, {docs-relative path: SVG text} of its plots)."""
     root = Path(root)
-    rows, notebooks = record_rows(root), executed_notebooks(root)
+    rows = record_rows(root)
     groups: dict[tuple[str, str], list[Row]] = {}
     for r in rows:
         groups.setdefault((r.runbook, r.profile), []).append(r)
@@ -151,8 +143,9 @@ def dashboard(root: Path | str) -> tuple[str, dict[str, str]]:
             why = ("reported from hardware this project cannot reach, or recorded on another hardware profile"
                    if v == "not verifiable here" else f"re-run `runbook verify {runbook}`")
             out += [f'!!! {VERDICT_ADMONITION[v]} "{v.capitalize()}"', f"    Numbers marked *{v}*: {why}.", ""]
-        if runbook in notebooks:
-            out += [f"Executed notebook: [{runbook}]({notebooks[runbook]})", ""]
+        notebook = EXECUTED / f"{runbook}-{profile}.ipynb"  # where `runbook run` keeps the executed notebook
+        if (root / notebook).is_file():
+            out += [f"Executed notebook: [{notebook.name}]({notebook.relative_to('docs').as_posix()})", ""]
         out += [_table(group), "", f"![history of {runbook} / {profile}](dashboard/{runbook}-{profile}.svg)", ""]
     plots = {f"dashboard/{rb}-{pf}.svg": history_svg(g) for (rb, pf), g in groups.items()}
     return "\n".join(out) + "\n", plots

@@ -5,15 +5,44 @@ import pytest
 import yaml
 
 from specbook import claims
+from specbook.execute import target
 from specbook.claims import DocsError, check_docs, plan_refresh, apply_edits, refresh_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 FRONT = "---\ntitle: T\nstatus: current\nupdated: 2026-11-29\nrunbooks: []\nrecords: []\n---\n"
 
 
-def write_record(root: Path, value: float = 82.5, samples=(82.0, 83.0), source: str = "measured") -> None:
+RUNBOOK = """# %% [markdown]
+# # Bench
+#
+# ```yaml
+# title: Bench
+# reproduces: [tok_s]
+# feeds: []
+# depends: []
+# profiles:
+#   cpu: {}
+# ```
+
+# %% tags=["parameters"]
+n = 1
+
+# %%
+from specbook import record
+
+record("tok_s", 82.5, unit="tok/s", direction="higher")
+"""
+
+
+def write_record(root: Path, value: float = 82.5, samples=(82.0, 83.0), source: str = "reported") -> None:
+    """A bench record; a measured one gets the inputs hash of runbooks/bench.py as it is now (fresh)."""
+    run = {"id": "r1", "date": "2026-11-29T14:40:00Z", "source": source, "provenance": {}}
+    if source == "measured":
+        (root / "runbooks").mkdir(exist_ok=True)
+        (root / "runbooks" / "bench.py").write_text(RUNBOOK)
+        run |= {"parameters": {"n": 1}, "inputs_hash": target(root, "bench", "cpu").inputs_hash}
     data = {"runbook": "bench", "profiles": {"cpu": {
-        "runs": [{"id": "r1", "date": "2026-11-29T14:40:00Z", "source": source}],
+        "runs": [run],
         "metrics": {"tok_s": {"value": value, "unit": "tok/s", "direction": "higher",
                               "tolerance": {"rel": 0.1, "abs": 0.0}, "run": "r1", "samples": list(samples),
                               "history": [{"value": value, "run": "r1"}]}}}}}
@@ -144,7 +173,30 @@ def test_refresh_refuses_file_changed_underneath(root):
 
 
 def test_reported_claims_are_not_verifiable_here(root):
-    write_record(root, source="reported")
     page(root, "<!-- claim: bench/cpu/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s\n")
     assert claims.record_verdict(root, "bench", "cpu", "tok_s", {}) == "not verifiable here"
     assert messages(root) == []
+
+
+def test_measured_claim_fresh_then_stale(root):
+    write_record(root, source="measured")
+    page(root, "<!-- claim: bench/cpu/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s\n")
+    assert messages(root) == []
+    rb = root / "runbooks" / "bench.py"
+    rb.write_text(rb.read_text().replace("n = 1", "n = 2"))
+    assert messages(root) == ["docs/p.md:8: claim bench/cpu/tok_s: record is stale (`runbook verify bench`)"]
+
+
+def test_measured_claim_whose_runbook_is_gone(root):
+    write_record(root, source="measured")
+    (root / "runbooks" / "bench.py").unlink()
+    page(root, "<!-- claim: bench/cpu/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s\n")
+    [msg] = messages(root)
+    assert msg.startswith("docs/p.md:8: claim bench/cpu/tok_s: record is failed (`runbook verify bench`)")
+
+
+def test_malformed_record_is_reported_at_the_claim(root):
+    (root / "baselines" / "bench.yaml").write_text("runbook: bench\nprofiles: [\n")
+    page(root, "<!-- claim: bench/cpu/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s\n")
+    [msg] = messages(root)
+    assert msg.startswith("docs/p.md:8: ") and "bench.yaml:" in msg and "malformed YAML" in msg
