@@ -54,8 +54,8 @@ class CapturedCall:
             self.outputs = self.fn(**self.inputs)
 
     def __call__(self, **inputs: torch.Tensor) -> Outputs:
-        if self.graph is None:
-            return self.fn(**inputs)
+        if self.graph is None:  # eager: inputs not given are the static buffers, as in a replay
+            return self.fn(**{**self.inputs, **inputs})
         for name, value in inputs.items():
             buf = self.inputs[name]
             if value is not buf:

@@ -1,0 +1,215 @@
+"""The baseline: the target model alone. Chunked prefill, then a decode loop whose step (T=1 forward, sampling,
+bookkeeping) is one CUDA graph replayed over static buffers - no host data goes in and nothing comes out until the
+loop ends, so the GPU never waits for Python. On CPU the same step runs eagerly.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import EngineError
+from engine.graphs import CapturedCall
+from engine.sampling import SamplingParams, sample
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # new tokens only (the prefill's token first), cut after a stop id
+    prompt_len: int
+    prefill_s: float  # synced wall time of the prefill
+    decode_s: float  # synced wall time from after the prefill to the last token
+    verify_cycles: int  # target forwards after the prefill (baseline: one per decode step)
+    accept_hist: list[int]  # accept_hist[n] = cycles that emitted n tokens, bonus token included
+    draft_s: float = 0.0  # phase totals, filled when timed_phases (each phase synced)
+    verify_s: float = 0.0
+    other_s: float = 0.0
+    finish_reason: str = "length"  # "length" | "stop"
+
+    @property
+    def decode_tokens(self) -> int:
+        return max(len(self.token_ids) - 1, 0)  # the prefill's token is not a decode token
+
+    @property
+    def tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1000.0 * self.decode_s / self.decode_tokens if self.decode_tokens else 0.0
+
+    @property
+    def accept_length(self) -> float:
+        """Decode tokens per verify cycle, bonus token included (SGLang's completion_tokens / spec_verify_ct)."""
+        return self.decode_tokens / self.verify_cycles if self.verify_cycles else 0.0
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Draft tokens the target accepted (each cycle's bonus token excluded)."""
+        return self.decode_tokens - self.verify_cycles
+
+    def to_dict(self) -> dict:
+        return {**{k: getattr(self, k) for k in self.__dataclass_fields__},
+                "tok_s": self.tok_s, "ms_per_token": self.ms_per_token, "accept_length": self.accept_length}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def prompt_tensor(prompt_ids: Sequence[int] | torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Validated [1, L] int64 prompt on the device (an out-of-range id would be a device-side assert on CUDA)."""
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
+    if ids.numel() == 0:
+        raise EngineError("the prompt is empty: give at least one token")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        raise EngineError(f"prompt token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size})")
+    return ids.to(device)[None]
+
+
+def check_lengths(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> None:
+    if max_new_tokens <= 0:
+        raise EngineError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    if prompt_len >= max_seq_len:
+        raise EngineError(f"prompt has {prompt_len} tokens; the cache holds {max_seq_len} (raise --max-seq-len)")
+    if prompt_len + max_new_tokens > max_seq_len:
+        raise EngineError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the cache of "
+                          f"{max_seq_len} tokens (raise --max-seq-len)")
+
+
+def cut_at_stop(ids: list[int], stop_ids: Sequence[int]) -> tuple[list[int], str]:
+    """ids cut after the first stop id (kept), and the finish reason."""
+    stops = set(stop_ids)
+    for i, t in enumerate(ids):
+        if t in stops:
+            return ids[: i + 1], "stop"
+    return ids, "length"
+
+
+@torch.no_grad()
+def prefill(model, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Write the prompt's K/V in chunks of `chunk` tokens; the last position's logits [1, V]."""
+    L = ids.shape[1]
+    for s in range(0, L, chunk):
+        e = min(s + chunk, L)
+        logits, _ = model(ids[:, s:e], torch.arange(s, e, device=ids.device), last_logits_only=True)
+    return logits[:, -1]
+
+
+@dataclass
+class DecodeState:
+    """Static buffers of the decode step. The step advances them itself, so a replay needs no inputs."""
+    token: torch.Tensor  # [1, 1] the last token
+    input_pos: torch.Tensor  # [1] its position
+    idx: torch.Tensor  # [1] where the next sampled token goes in `out`
+    out: torch.Tensor  # [max_seq_len] sampled tokens of this generation
+
+    @classmethod
+    def empty(cls, n: int, device: torch.device) -> "DecodeState":
+        z = lambda *s: torch.zeros(*s, dtype=torch.long, device=device)  # noqa: E731
+        return cls(z(1, 1), z(1), z(1), z(n))
+
+    def as_inputs(self) -> dict[str, torch.Tensor]:
+        return {"token": self.token, "input_pos": self.input_pos, "idx": self.idx, "out": self.out}
+
+
+class Generator:
+    """The target alone. `compile=True` runs the model forward of the decode step through torch.compile (inductor
+    fuses the small ops) before it is captured in our own CUDA graph; sampling stays eager so that its random
+    numbers come from the graph-safe default generator."""
+
+    def __init__(self, model: torch.nn.Module, max_seq_len: int, cuda_graphs: bool = True, prefill_chunk: int = 512,
+                 compile: bool = False):
+        if max_seq_len <= 1:
+            raise EngineError(f"max_seq_len must be at least 2, got {max_seq_len}")
+        if prefill_chunk <= 0:
+            raise EngineError(f"prefill_chunk must be positive, got {prefill_chunk}")
+        self.model, self.max_seq_len, self.prefill_chunk = model, max_seq_len, prefill_chunk
+        self.cuda_graphs = cuda_graphs
+        self.device = model.device
+        self.state = DecodeState.empty(max_seq_len, self.device)
+        self._forward = torch.compile(model, fullgraph=True, dynamic=False) if compile else model
+        self._calls: dict[SamplingParams, CapturedCall] = {}
+        self._cache = None  # the cache object the graphs were captured over
+
+    def _step_fn(self, sampling: SamplingParams):
+        forward = self._forward
+
+        def step(token, input_pos, idx, out):
+            logits, _ = forward(token, input_pos)
+            nxt = sample(logits[:, -1], sampling)  # [1]
+            out.index_copy_(0, idx, nxt)
+            token.copy_(nxt.view(1, 1))
+            input_pos.add_(1)
+            idx.add_(1)
+
+        return step
+
+    def _decode_call(self, sampling: SamplingParams) -> CapturedCall:
+        if self.model.max_seq_len < self.max_seq_len:
+            self.model.setup_caches(self.max_seq_len)
+        cache = self.model.layers[0].self_attn.cache
+        if cache is not self._cache:  # caches were reallocated: graphs captured over the old ones are stale
+            self._calls.clear()
+            self._cache = cache
+        if sampling not in self._calls:
+            with torch.no_grad():
+                self._calls[sampling] = CapturedCall(self._step_fn(sampling), self.state.as_inputs(),
+                                                     enabled=self.cuda_graphs)
+        return self._calls[sampling]
+
+    @torch.no_grad()
+    def _start(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams, seed: int
+               ) -> tuple[CapturedCall, int, float]:
+        """Capture (once), seed, prefill, and load the decode buffers; returns the step, prompt length, prefill s."""
+        ids = prompt_tensor(prompt_ids, self.model.cfg.vocab_size, self.device)
+        L = ids.shape[1]
+        check_lengths(L, max_new_tokens, self.max_seq_len)
+        step = self._decode_call(sampling)
+        torch.manual_seed(seed)  # also seeds the CUDA generator the graph's sampling draws from
+        sync(self.device)
+        t0 = time.perf_counter()
+        first = sample(prefill(self.model, ids, self.prefill_chunk), sampling)  # [1]
+        st = self.state
+        st.token.copy_(first.view(1, 1))
+        st.input_pos.fill_(L)
+        st.out[0] = first[0]
+        st.idx.fill_(1)
+        sync(self.device)
+        return step, L, time.perf_counter() - t0
+
+    @torch.no_grad()
+    def generate(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+                 stop_ids: Sequence[int] = (), seed: int = 0, timed_phases: bool = False) -> GenerationResult:
+        """The whole decode loop on the device and one host sync at the end; stop ids are applied afterwards,
+        so the loop always runs max_new_tokens steps (decode_s includes any steps after a stop)."""
+        step, L, prefill_s = self._start(prompt_ids, max_new_tokens, sampling, seed)
+        t0 = time.perf_counter()
+        for _ in range(max_new_tokens - 1):
+            step()
+        ids = self.state.out[:max_new_tokens].tolist()  # the one host sync
+        decode_s = time.perf_counter() - t0
+        ids, reason = cut_at_stop(ids, stop_ids)
+        cycles = len(ids) - 1
+        return GenerationResult(ids, L, prefill_s, decode_s, cycles, [0, cycles],
+                                verify_s=decode_s if timed_phases else 0.0, finish_reason=reason)
+
+    @torch.no_grad()
+    def stream(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+               stop_ids: Sequence[int] = (), seed: int = 0, timed_phases: bool = False) -> Iterator[list[int]]:
+        """Yields the prefill's token, then each decode step's token (one host sync per step); ends after a stop
+        id or max_new_tokens."""
+        step, _, _ = self._start(prompt_ids, max_new_tokens, sampling, seed)
+        stops = set(stop_ids)
+        token = self.state.token
+        for i in range(max_new_tokens):
+            if i:
+                step()
+            t = int(token.item())
+            yield [t]
+            if t in stops:
+                return
