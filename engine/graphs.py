@@ -12,16 +12,6 @@ import torch
 
 Outputs = Any  # a tensor or a tuple of tensors (None allowed)
 
-_pool = None  # one memory pool shared by every graph of the process: graphs replay one at a time
-
-
-def shared_pool():
-    global _pool
-    if _pool is None:
-        _pool = torch.cuda.graph_pool_handle()
-    return _pool
-
-
 class CapturedCall:
     """`fn(**inputs)` captured once over static input buffers; calling copies new inputs in and replays.
 
@@ -29,20 +19,20 @@ class CapturedCall:
     """
 
     def __init__(self, fn: Callable[..., Outputs], static_inputs: dict[str, torch.Tensor],
-                 enabled: bool = True, warmup: int = 2):
+                 enabled: bool = True, warmup: int = 2, pool=None):
         self.fn = fn
         self.inputs = static_inputs
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: Outputs = None
         device = next(iter(static_inputs.values())).device
         if enabled and device.type == "cuda":
-            self._capture(warmup)
+            self._capture(warmup, pool)
 
     @property
     def captured(self) -> bool:
         return self.graph is not None
 
-    def _capture(self, warmup: int) -> None:
+    def _capture(self, warmup: int, pool) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up runs allocate workspaces outside the graph
@@ -50,7 +40,7 @@ class CapturedCall:
                 self.fn(**self.inputs)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=shared_pool()):
+        with torch.cuda.graph(self.graph, pool=pool):
             self.outputs = self.fn(**self.inputs)
 
     def __call__(self, **inputs: torch.Tensor) -> Outputs:
@@ -65,11 +55,14 @@ class CapturedCall:
 
 
 class GraphSet:
-    """One `CapturedCall` per size (e.g. tokens per verify forward). `make_inputs(size)` builds example buffers."""
+    """One `CapturedCall` per size (e.g. tokens per verify forward). `make_inputs(size)` builds example buffers.
+    The set's graphs share one memory pool (they never replay at once); it lives as long as the set."""
 
     def __init__(self, fn: Callable[..., Outputs], make_inputs: Callable[[int], dict[str, torch.Tensor]],
                  sizes: list[int] | tuple[int, ...], enabled: bool = True):
-        self.calls = {n: CapturedCall(fn, make_inputs(n), enabled=enabled) for n in sorted(set(sizes))}
+        self.pool = torch.cuda.graph_pool_handle() if enabled and torch.cuda.is_available() else None
+        self.calls = {n: CapturedCall(fn, make_inputs(n), enabled=enabled, pool=self.pool)
+                      for n in sorted(set(sizes), reverse=True)}  # largest first: smaller graphs reuse its pool
 
     def __call__(self, size: int, **inputs: torch.Tensor) -> Outputs:
         try:
