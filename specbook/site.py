@@ -47,9 +47,8 @@ def format_number(value: float) -> str:
 
 def _hardware(profile: str, run: dict) -> str:
     gpu = (run.get("provenance") or {}).get("gpu") or {}
-    if isinstance(gpu, dict) and gpu.get("name"):
-        return f"{gpu.get('count', 1)}x {gpu['name']}" if gpu.get("count", 1) != 1 else gpu["name"]
-    return profile
+    names, count = ", ".join(gpu.get("names") or []), gpu.get("count", 0)
+    return (f"{count}x {names}" if count > 1 else names) if names else profile
 
 
 def _date(value) -> str:
@@ -111,12 +110,14 @@ def history_svg(rows: list[Row]) -> str:
 
 
 def _table(rows: list[Row]) -> str:
-    head = "<tr><th>metric</th><th>value</th><th>unit</th><th>better</th><th>tolerance</th><th>verdict</th></tr>"
+    head = ("<tr><th>metric</th><th>value</th><th>unit</th><th>better</th><th>tolerance</th><th>verdict</th>"
+            "<th>source</th><th>recorded</th></tr>")
     body = []
     for r in rows:
         tol = ", ".join(f"{k} {v:g}" for k, v in r.tolerance.items() if v) or "exact"
         body.append(f'<tr><td>{r.metric}</td><td class="value" data-record="{r.key}">{format_number(r.value)}</td>'
-                    f"<td>{html.escape(r.unit)}</td><td>{r.direction}</td><td>{tol}</td><td>{badge(r.verdict)}</td></tr>")
+                    f"<td>{html.escape(r.unit)}</td><td>{r.direction}</td><td>{tol}</td><td>{badge(r.verdict)}</td>"
+                    f"<td>{r.source}</td><td>{r.date}</td></tr>")
     return f'<table class="records">\n{head}\n' + "\n".join(body) + "\n</table>"
 
 
@@ -134,10 +135,9 @@ def dashboard(root: Path | str) -> tuple[str, dict[str, str]]:
     if not rows:
         out.append("No records yet: run `runbook run NAME`.")
     for (runbook, profile), group in groups.items():
-        first = group[0]
+        latest = max(group, key=lambda r: r.date)
         out += [f"## {runbook} / {profile}", "",
-                f"**Hardware:** {html.escape(first.hardware)} &nbsp; **Recorded:** {first.date} &nbsp; "
-                f"**Source:** {first.source}", ""]
+                f"**Hardware:** {html.escape(latest.hardware)} &nbsp; **Last recorded:** {latest.date}", ""]
         verdicts = sorted({r.verdict for r in group if r.verdict in VERDICT_ADMONITION})
         for v in verdicts:
             why = ("reported from hardware this project cannot reach, or recorded on another hardware profile"

@@ -1,0 +1,123 @@
+"""`runbook context`: a compact context pack for an agent - current numbers with their verdicts, open decisions,
+next steps - cut to a token budget. Sections come in priority order; a section cut short says how much it left out
+and where to find the rest."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from specbook import claims, site
+
+CHARS_PER_TOKEN = 4  # a rough, conservative estimate for English and numbers
+
+
+@dataclass
+class Section:
+    title: str
+    lines: list[str]
+    more: str  # where the lines left out can be read
+
+
+def tokens(text: str) -> int:
+    return -(-len(text) // CHARS_PER_TOKEN)
+
+
+def number_lines(root: Path) -> list[str]:
+    """One line per runbook and profile: source, hardware, date, then each metric with its verdict."""
+    groups: dict[tuple[str, str], list[site.Row]] = {}
+    for row in site.record_rows(root):
+        groups.setdefault((row.runbook, row.profile), []).append(row)
+    lines = []
+    for (runbook, profile), rows in groups.items():
+        first = rows[0]
+        metrics = "; ".join(f"{r.metric} {site.format_number(r.value)} {r.unit}".rstrip() + f" [{r.verdict}]"
+                            for r in rows)
+        lines.append(f"- {runbook} @ {profile} ({first.source}, {first.hardware}, {first.date}): {metrics}")
+    return lines
+
+
+def _sections_of(text: str, level: str) -> list[tuple[str, str]]:
+    """(heading, body) for each heading of the given level ("##")."""
+    parts = re.split(rf"^{level} (.+)$", text, flags=re.M)
+    return list(zip(parts[1::2], parts[2::2]))
+
+
+def _plain(text: str) -> str:
+    text = re.sub(r"<!--\s*(?:claim|cite):[^>]*-->|<!--\s*/(?:claim|cite)\s*-->", "", text)
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
+    return " ".join(text.replace("**", "").split())
+
+
+def _field(body: str, name: str) -> str:
+    m = re.search(rf"^- \*\*{name}:\*\*(.*?)(?=^- \*\*|^#|\Z)", body, flags=re.M | re.S)
+    return _plain(m.group(1)) if m else ""
+
+
+def decision_lines(root: Path) -> list[str]:
+    """Open decisions from docs/decisions.md, with date, decision and why they are open; then a count of the rest."""
+    path = Path(root) / "docs" / "decisions.md"
+    if not path.is_file():
+        return []
+    lines, closed = [], []
+    for heading, body in _sections_of(path.read_text(), "##"):
+        status = _field(body, "Status") or "unknown"
+        if status != "open":
+            closed.append(f"{heading.split(':')[0]} {status}")
+            continue
+        lines.append(f"- {heading} [open, {_field(body, 'Date')}]: {_field(body, 'Decision')} "
+                     f"Open because: {_field(body, 'Why it is open')}")
+    if closed:
+        lines.append(f"- Closed: {', '.join(closed)} (docs/decisions.md)")
+    return lines
+
+
+def next_step_lines(root: Path) -> list[str]:
+    path = Path(root) / "docs" / "game-plan.md"
+    if not path.is_file():
+        return []
+    for heading, body in _sections_of(path.read_text(), "##"):
+        if heading.strip().lower() == "next steps":
+            return [f"- {_plain(item)}" for item in re.findall(r"^- (.+(?:\n  .+)*)", body, flags=re.M)]
+    return []
+
+
+def problem_lines(root: Path) -> list[str]:
+    return [f"- {p}" for p in claims.check_docs(root)]
+
+
+def build_context(root: Path | str, budget: int = 2000) -> str:
+    """The context pack, at most `budget` tokens (estimated)."""
+    root = Path(root)
+    head = ("# specbook context\n"
+            "EAGLE-3 drafter moved from Kimi-K2 to Kimi-K2.5; numbers are records in baselines/ with verdicts "
+            "(fresh = re-run here within tolerance; not verifiable here = other hardware or reported). "
+            "Before trusting a number: `runbook show NAME`, `runbook env`, `runbook verify NAME`. "
+            "Start with AGENTS.md and docs/index.md.\n")
+    sections = [
+        Section("Numbers (runbook @ profile: metric value [verdict])", number_lines(root), "`runbook show NAME`"),
+        Section("Docs problems", problem_lines(root), "`runbook verify --docs`"),
+        Section("Open decisions", decision_lines(root), "docs/decisions.md"),
+        Section("Next steps", next_step_lines(root), "docs/game-plan.md"),
+    ]
+    out = head
+    if tokens(out) > budget:
+        raise claims.DocsError(f"--budget {budget} is too small for the context header ({tokens(head)} tokens)")
+    for sec in sections:
+        if not sec.lines:
+            continue
+        title = f"\n## {sec.title}\n"
+        kept = []
+        for i, line in enumerate(sec.lines):
+            left = len(sec.lines) - i - 1
+            tail = f"- ... {left} more: {sec.more}\n" if left else ""
+            if tokens(out + title + "".join(kept) + line + "\n" + tail) > budget:
+                break
+            kept.append(line + "\n")
+        if not kept:
+            note = f"\n({sec.title}: {len(sec.lines)} left out for the budget; see {sec.more})\n"
+            out += note if tokens(out + note) <= budget else ""
+            continue
+        left = len(sec.lines) - len(kept)
+        out += title + "".join(kept) + (f"- ... {left} more: {sec.more}\n" if left else "")
+    return out

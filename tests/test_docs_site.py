@@ -1,0 +1,88 @@
+"""The MkDocs site (strict build), its generated dashboard and llms.txt, and `runbook context`."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specbook import records, site
+from specbook.cli import main
+from specbook.context import build_context, tokens
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def recorded_values(root: Path) -> dict[str, float]:
+    return {f"{rb}/{pf}/{m}": e["value"] for rb, rf in records.load_all(root).items()
+            for pf, prof in rf.data["profiles"].items() for m, e in prof["metrics"].items()}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(out)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_dashboard_shows_every_record(built):
+    page = (built / "dashboard" / "index.html").read_text()
+    shown = dict(re.findall(r'data-record="([^"]+)">([^<]+)<', page))
+    values = recorded_values(ROOT)
+    assert values and set(shown) == set(values)
+    for key, value in values.items():
+        assert float(shown[key]) == pytest.approx(value, rel=1e-5), key
+    assert "verdict-not-verifiable-here" in page and "8x NVIDIA RTX PRO 6000" in page
+    for svg in re.findall(r'src="([^"]+\.svg)"', page):
+        assert (built / "dashboard" / svg).read_text().lstrip().startswith("<?xml")
+
+
+def test_reported_numbers_carry_an_admonition(built):
+    page = (built / "findings" / "index.html").read_text()
+    assert 'class="admonition info"' in page and "not verifiable here" in page
+    assert '<span class="claim" title="baseline-k25-sglang/8x-rtx-pro-6000/baseline_tok_s' in page
+
+
+def test_llms_txt_lists_every_page(built):
+    index = (built / "llms.txt").read_text()
+    full = (built / "llms-full.txt").read_text()
+    for page in ("findings/", "decisions/", "game-plan/", "glossary/", "runbooks/"):
+        assert f"]({page})" in index
+    assert "Abandon the CUDA-graph verify path" in full and "# Baselines dashboard" in full
+
+
+def test_dashboard_history_plot(tmp_path):
+    (tmp_path / "baselines").mkdir()
+    rf = records.load(records.path_for(tmp_path, "bench"))
+    rf.data["profiles"]["cpu"] = {"runs": [{"id": "a", "date": "2026-11-29T10:00:00Z", "source": "reported",
+                                            "provenance": {}}], "metrics": {}}
+    rf.data["profiles"]["cpu"]["metrics"]["ms"] = {
+        "value": 12.5, "unit": "ms", "direction": "lower", "tolerance": {"rel": 0.1}, "run": "a",
+        "history": [{"value": 14.0, "run": "a"}, {"value": 12.5, "run": "a"}]}
+    records.save(rf)
+    text, plots = site.dashboard(tmp_path)
+    assert 'data-record="bench/cpu/ms">12.5<' in text and "not verifiable here" in text
+    assert list(plots) == ["dashboard/bench-cpu.svg"] and "<svg" in plots["dashboard/bench-cpu.svg"]
+
+
+def test_context_fits_budget_and_has_the_essentials():
+    full = build_context(ROOT, budget=4000)
+    assert "baseline_tok_s 82.5 tok/s [not verifiable here]" in full
+    assert "D1: Abandon the CUDA-graph verify path" in full and "## Next steps" in full
+    for budget in (120, 200, 400, 800):
+        text = build_context(ROOT, budget=budget)
+        assert tokens(text) <= budget
+    assert "more:" in build_context(ROOT, budget=200) or "left out" in build_context(ROOT, budget=200)
+
+
+def test_context_command():
+    runner = CliRunner()
+    r = runner.invoke(main, ["--root", str(ROOT), "context", "--budget", "300"])
+    assert r.exit_code == 0 and tokens(r.stdout) <= 300 and r.stdout.startswith("# specbook context")
+    r = runner.invoke(main, ["--root", str(ROOT), "context", "--budget", "5"])
+    assert r.exit_code == 2 and "too small" in r.stderr
