@@ -1,4 +1,4 @@
-"""The `runbook` command: list, run, verify, status, show, env."""
+"""The `runbook` command: list, run, verify, status, show, env, context."""
 
 from __future__ import annotations
 
@@ -280,6 +280,17 @@ def env(obj: Ctx, as_json: bool) -> None:
     lines = [f"{k}: {json.dumps(v, default=str)}" for k, v in fp.items()]
     _emit(as_json, fp, "\n".join(lines))
 
+
+
+@main.command()
+@click.option("--budget", type=click.IntRange(min=1), default=2000, show_default=True, metavar="TOKENS",
+              help="Most tokens the pack may take (estimated at 4 characters a token).")
+@click.pass_obj
+def context(obj: Ctx, budget: int) -> None:
+    """A compact context pack for agents: numbers with verdicts, open decisions, next steps."""
+    from specbook.context import build_context
+
+    click.echo(build_context(obj.root, budget), nl=False)
 
 if __name__ == "__main__":
     sys.exit(main())
