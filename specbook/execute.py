@@ -1,5 +1,6 @@
-"""Papermill execution of a jupytext runbook: kernel of this interpreter, per-cell and whole-run timeouts, one-line
-errors naming the failing cell and the partly executed notebook."""
+"""Running runbooks: papermill execution (kernel of this interpreter, per-cell and whole-run timeouts, one-line errors
+naming the failing cell and the partly executed notebook), and targets - a runbook on a profile with its
+dependencies, whose outputs are cached under a hash of their inputs."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,8 @@ from specbook.runbooks import Runbook, load
 
 KERNEL = "python3"
 OWN_KERNEL = "specbook-python"  # installed into this venv when python3 would start another interpreter
+DONE = "DONE"  # marker in an outputs dir: the run that produced it finished
+EXECUTED = Path("docs") / "runbooks" / "executed"  # the site renders the notebook behind each record
 
 
 @dataclass
@@ -151,9 +155,6 @@ class Target:
         return {**self.params, **extra}
 
 
-DONE = "DONE"
-
-
 def target(root: Path, name: str, profile: str, overrides: dict[str, Any] | None = None,
            _chain: tuple[str, ...] = ()) -> Target:
     """Resolve a runbook and, recursively, its dependencies on a profile (no execution, no torch import)."""
@@ -172,6 +173,7 @@ class Outcome:
     target: Target
     execution: Execution
     run_id: str | None  # None when nothing was recorded (verify, or no metrics)
+    notebook: Path | None  # the executed notebook kept for the site (runs that record)
 
 
 def run(root: Path, t: Target, *, record: bool, force: bool = False, progress: bool = True,
@@ -185,20 +187,21 @@ def run(root: Path, t: Target, *, record: bool, force: bool = False, progress: b
     log(f"running {t.rb.name} on {t.profile} (inputs {t.inputs_hash})")
     t.outputs_dir.mkdir(parents=True, exist_ok=True)
     (t.outputs_dir / DONE).unlink(missing_ok=True)
-    notebook = root / ".specbook" / "runs" / f"{t.rb.name}-{t.profile}.ipynb"
+    runs = root / ".specbook" / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    # one directory per run: concurrent runs of one runbook must not share the notebook or the records file
+    work = Path(tempfile.mkdtemp(prefix=f"{t.rb.name}-{t.profile}-", dir=runs))
+    notebook = work / f"{t.rb.name}-{t.profile}.ipynb"
     ex = execute(root, t.rb, t.injected(), notebook, progress)
     if missing := [m for m in t.rb.reproduces if m not in {x.name for x in ex.metrics}]:
         raise RunFailed(f"runbook {t.rb.name} declares reproduces {missing} but did not record them "
                         f"(notebook: {notebook})")
     run_id = _record(root, t, ex) if record and ex.metrics else None
-    if record:
-        _publish(notebook, root / EXECUTED / f"{t.rb.name}-{t.profile}.ipynb")
+    kept = _publish(notebook, root / EXECUTED / f"{t.rb.name}-{t.profile}.ipynb") if record else None
     (t.outputs_dir / DONE).write_text(json.dumps({"run": run_id, "date": now_iso()}) + "\n")
+    shutil.rmtree(work)  # only after success: a failed run's error message points into its directory
     ran.add(t.rb.name)
-    return [*outcomes, Outcome(t, ex, run_id)]
-
-
-EXECUTED = Path("docs") / "runbooks" / "executed"  # the site renders the notebook behind each record
+    return [*outcomes, Outcome(t, ex, run_id, kept)]
 
 
 def _record(root: Path, t: Target, ex: Execution) -> str:
@@ -216,8 +219,10 @@ def _plain(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=str))
 
 
-def _publish(src: Path, dst: Path) -> None:
+def _publish(src: Path, dst: Path) -> Path:
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.tmp")
+    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.")
+    os.close(fd)
     shutil.copyfile(src, tmp)
     os.replace(tmp, dst)
+    return dst

@@ -25,6 +25,9 @@ from specbook.record import DIRECTIONS, Metric
 BASELINES = "baselines"
 SOURCES = ("measured", "reported")
 LOCK_TIMEOUT_S = 120.0
+# libyaml when present: record files grow with every run and history entry
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
 @dataclass
@@ -71,7 +74,7 @@ def load(path: Path) -> RecordFile:
         return RecordFile(path, {"runbook": path.stem, "profiles": {}}, None)
     raw = path.read_bytes()
     try:
-        data = yaml.safe_load(raw)
+        data = yaml.load(raw, Loader=_LOADER)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{_show(path)}:{mark.line + 1}" if mark else _show(path)
@@ -144,7 +147,7 @@ def _check_metric(m: Any, run_ids: set[str], where: str, bad) -> None:
 
 
 def dump(data: dict[str, Any]) -> str:
-    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=120, allow_unicode=True)
+    return yaml.dump(data, Dumper=_DUMPER, sort_keys=False, default_flow_style=None, width=120, allow_unicode=True)
 
 
 def save(rf: RecordFile) -> None:
