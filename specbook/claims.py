@@ -250,7 +250,7 @@ def check_claim(root: Path, claim: Claim, cache: dict, verdicts: bool = True) ->
                         f"claim {claim.key}: literal {claim.literal!r} != record {expected!r} (run `runbook run`)")]
     if verdicts:
         verdict = record_verdict(root, claim.runbook, claim.profile, claim.metric, cache)
-        if verdict.split()[0] in FAILING_VERDICTS:
+        if verdict in FAILING_VERDICTS:
             return [Problem(claim.file, claim.line,
                             f"claim {claim.key}: record is {verdict} (`runbook verify {claim.runbook}`)")]
     return []
@@ -275,14 +275,6 @@ def check_docs(root: Path | str, verdicts: bool = True) -> list[Problem]:
         problems += _check_links(text, path, root, file)
         problems += _check_numbers(text, file)
     return sorted(set(problems), key=lambda p: (p.file, p.line, p.message))
-
-
-def all_claims(root: Path | str) -> list[Claim]:
-    root = Path(root)
-    out = []
-    for path in doc_files(root):
-        out += parse_claims(path.read_text(), path.relative_to(root).as_posix())[0]
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- refresh

@@ -228,7 +228,8 @@ def on_page_markdown(markdown, page, config, files):
         verdict = claims.record_verdict(root, c.runbook, c.profile, c.metric, cache)
         if verdict in VERDICT_ADMONITION:
             flagged.setdefault(verdict, set()).add(f"{c.runbook}/{c.profile}")
-        edits.append((*c.marker, f'<span class="claim" title="{html.escape(f"{c.key}: {verdict}")}">{c.literal}</span>'))
+        title = html.escape(f"{c.key}: {verdict}")
+        edits.append((*c.marker, f'<span class="claim" title="{title}">{c.literal}</span>'))
     for m in claims.CITE_RE.finditer(claims.prose_mask(markdown)):
         edits.append((m.start(), m.end(), f'<span class="cite" title="{html.escape(m.group("source"))}">'
                                           f'{markdown[m.start("text"):m.end("text")]}</span>'))
