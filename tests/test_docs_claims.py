@@ -140,11 +140,10 @@ def test_numbers_that_are_not_measured(root, text):
     assert messages(root) == []
 
 
-def test_range_needs_samples(root):
+def test_range_without_samples_is_the_value(root):
     write_record(root, samples=())
     page(root, "<!-- claim: bench/cpu/tok_s fmt=range:.0f -->82-83<!-- /claim --> tok/s\n")
-    assert messages(root) == ["docs/p.md:8: claim bench/cpu/tok_s: fmt=range needs the record's samples, "
-                              "and it has none"]
+    assert messages(root) == ["docs/p.md:8: claim bench/cpu/tok_s: literal '82-83' != record '82' (run `runbook run`)"]
 
 
 def test_refresh_rewrites_only_literals(root):
