@@ -13,6 +13,7 @@ MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_d
               "first_k_dense_replace", "moe_layer_freq", "routed_scaling_factor", "n_group", "topk_group",
               "norm_topk_prob", "topk_method", "scoring_func", "rope_interleave")
 SUPPORTED_TYPES = DENSE_TYPES + ("deepseek_v3",)
+ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2's config.json names its own type for the DeepSeek-V3 architecture
 
 
 @dataclass
@@ -65,6 +66,9 @@ class ModelConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.model_type == "qwen3":
             self.qk_norm = True
+        if self.is_mla:  # as transformers' DeepseekV3Config: no KV groups, head_dim is the rotary dim
+            self.num_key_value_heads = self.num_attention_heads
+            self.head_dim = self.qk_rope_head_dim
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
             if getattr(self, name) <= 0:
                 raise EngineError(f"config field {name} must be positive, got {getattr(self, name)}")
@@ -101,6 +105,8 @@ class ModelConfig:
         d = dict(d)
         if "text_config" in d and "model_type" not in d.get("text_config", {}):
             d = {**d, **d["text_config"]}
+        if d.get("model_type") in ALIASES:
+            d["model_type"] = ALIASES[d["model_type"]]
         model_type = d.get("model_type")
         if model_type is None:
             raise EngineError("config.json has no model_type")
@@ -173,6 +179,35 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960),
+    # DeepSeek-V3 family. The mini keeps DeepSeek's head dims, latent rank and routing (8 groups, 4 chosen)
+    # with DeepSeek-V2-Lite's width and expert count, so one H200 holds it and the kernels see real shapes.
+    "deepseek-v3-mini": dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=2048,
+                             intermediate_size=10944, num_hidden_layers=12, num_attention_heads=16,
+                             q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                             v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2,
+                             moe_intermediate_size=1408, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                             n_group=8, topk_group=4, rms_norm_eps=1e-6, rope_theta=10000.0,
+                             max_position_embeddings=163840, bos_token_id=0, eos_token_id=1,
+                             rope_scaling=dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096,
+                                               beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+    "deepseek-v3": dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                        num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
+                        num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048,
+                        first_k_dense_replace=3, routed_scaling_factor=2.5, n_group=8, topk_group=4,
+                        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=163840,
+                        bos_token_id=0, eos_token_id=1,
+                        rope_scaling=dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096,
+                                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+    "kimi-k2": dict(model_type="deepseek_v3", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
+                    num_hidden_layers=61, num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512,
+                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384,
+                    num_experts_per_tok=8, n_shared_experts=1, moe_intermediate_size=2048,
+                    first_k_dense_replace=1, routed_scaling_factor=2.827, n_group=1, topk_group=1,
+                    rms_norm_eps=1e-6, rope_theta=50000.0, max_position_embeddings=131072,
+                    bos_token_id=163584, eos_token_id=163585,
+                    rope_scaling=dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096,
+                                      beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
 }
 
 

@@ -72,19 +72,33 @@ def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return sd
 
 
+def shape_hint(model: torch.nn.Module, key: str) -> str:
+    """The config fields behind a tensor's shape, where its module declares them in `shape_fields`."""
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            fields = getattr(model.get_submodule(".".join(parts[:i])), "shape_fields", {})
+        except AttributeError:
+            continue
+        if ".".join(parts[i:]) in fields:
+            return f" (config fields: {fields['.'.join(parts[i:])]})"
+    return ""
+
+
 def load_state(model: torch.nn.Module, sd: dict[str, torch.Tensor], where: str) -> None:
     """Copy a (converted) state dict into model, naming the first missing, unexpected or misshapen tensor."""
     own = model.state_dict()
     missing = [k for k in own if k not in sd and not (k == "lm_head.weight" and model.cfg.tie_word_embeddings)]
     if missing:
-        raise EngineError(f"{where}: missing tensor {missing[0]}" + (f" (+{len(missing) - 1} more)" if
-                                                                      len(missing) > 1 else ""))
+        raise EngineError(f"{where}: missing tensor {missing[0]}{shape_hint(model, missing[0])}"
+                          + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
     unexpected = [k for k in sd if k not in own]
     if unexpected:
         raise EngineError(f"{where}: unexpected tensor {unexpected[0]} (does config.json match the weights?)")
     for k, t in sd.items():
         if tuple(t.shape) != tuple(own[k].shape):
-            raise EngineError(f"{where}: tensor {k} has shape {tuple(t.shape)}, config implies {tuple(own[k].shape)}")
+            raise EngineError(f"{where}: tensor {k} has shape {tuple(t.shape)}, config implies "
+                              f"{tuple(own[k].shape)}{shape_hint(model, k)}")
     model.load_state_dict(sd, strict=False)
 
 
@@ -97,7 +111,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
     dtype = resolve_dtype(dtype)
     with torch.device("meta"):
         model = Transformer(cfg)
-    sd = hf_to_internal(model, sd)
+    try:
+        sd = hf_to_internal(model, sd)
+    except EngineError as e:
+        raise EngineError(f"{path}: {e}") from None
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     model = model.to_empty(device="cpu")

@@ -12,6 +12,7 @@ from torch import nn
 
 from engine.cache import KVCache
 from engine.config import ModelConfig
+from engine.errors import EngineError
 from engine.rope import apply_rope, rope_tables
 
 DEFAULT_ROPE_LEN = 4096
@@ -203,9 +204,35 @@ def _fused_modules(model: nn.Module):
             yield prefix, fused, parts
 
 
+def _stacked_modules(model: nn.Module):
+    """Modules with a `stack` attribute: {param: (per-entry key templates with {e}, ...)}. Entry e of the
+    [E, ...] parameter is the concatenation (dim 0) of its templates' tensors, e.g. MoE experts."""
+    for prefix, mod in model.named_modules():
+        for name, templates in getattr(mod, "stack", {}).items():
+            yield prefix, mod, name, templates
+
+
+def _stack(out: dict[str, torch.Tensor], prefix: str, mod: nn.Module, name: str, templates: tuple[str, ...]) -> None:
+    n = getattr(mod, name).shape[0]
+    field = getattr(mod, "stack_field", "the config")
+    keys = [[f"{prefix}.{t.format(e=e)}" for t in templates] for e in range(n)]
+    if not any(k in out for k in keys[0]):
+        return  # already stacked in the checkpoint (or absent: load_state names it)
+    missing = [k for row in keys for k in row if k not in out]
+    if missing:
+        raise EngineError(f"missing tensor {missing[0]} ({field} implies {n} entries of {prefix}.{name})")
+    surplus = f"{prefix}.{templates[0].format(e=n)}"
+    if surplus in out:
+        raise EngineError(f"unexpected tensor {surplus}: {field} implies only {n} entries of {prefix}.{name}")
+    out[f"{prefix}.{name}"] = torch.stack([torch.cat([out.pop(k) for k in row], dim=0) for row in keys])
+
+
 def hf_to_internal(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """HF keys (without the leading "model.") -> this module's keys: q/k/v and gate/up concatenated."""
+    """HF keys (without the leading "model.") -> this module's keys: q/k/v and gate/up concatenated,
+    per-expert tensors stacked."""
     out = dict(sd)
+    for prefix, mod, name, templates in _stacked_modules(model):
+        _stack(out, prefix, mod, name, templates)
     for prefix, fused, parts in _fused_modules(model):
         for kind in ("weight", "bias"):
             keys = [f"{prefix}.{name}.{kind}" for name, _ in parts]
@@ -222,4 +249,10 @@ def internal_to_hf(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, t
             if key in out:
                 pieces = out.pop(key).split([n for _, n in parts], dim=0)
                 out.update({f"{prefix}.{name}.{kind}": t.contiguous() for (name, _), t in zip(parts, pieces)})
+    for prefix, _, name, templates in _stacked_modules(model):
+        key = f"{prefix}.{name}"
+        if key in out:
+            for e, entry in enumerate(out.pop(key)):
+                pieces = entry.chunk(len(templates), dim=0)
+                out.update({f"{prefix}.{t.format(e=e)}": p.contiguous() for t, p in zip(templates, pieces)})
     return out

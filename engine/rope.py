@@ -26,17 +26,21 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _yarn_scaling(inv_freq: torch.Tensor, s: dict, dim: int, base: float) -> tuple[torch.Tensor, float]:
+def _yarn_scaling(inv_freq: torch.Tensor, s: dict, dim: int, base: float, max_pos: int
+                  ) -> tuple[torch.Tensor, float]:
     """YaRN as DeepSeek-V3 uses it: interpolate low frequencies, keep high ones, scale cos/sin by mscale ratio."""
-    factor = s["factor"]
-    old_len = s.get("original_max_position_embeddings", 4096)
-    beta_fast, beta_slow = s.get("beta_fast", 32), s.get("beta_slow", 1)
+    # Defaults as transformers fills them: the pretraining length is max_position_embeddings, factor their ratio.
+    old_len = s.get("original_max_position_embeddings") or max_pos
+    factor = s.get("factor") or max_pos / old_len
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
 
     def correction_dim(n_rot: float) -> float:
         return dim * math.log(old_len / (n_rot * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3), 0, 1)
     extrapolation = 1 - ramp
     inv = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
@@ -62,7 +66,7 @@ def inv_freq_and_scale(cfg: ModelConfig, dim: int) -> tuple[torch.Tensor, float]
     if kind == "linear":
         return inv / s["factor"], 1.0
     if kind == "yarn":
-        return _yarn_scaling(inv, s, dim, cfg.rope_theta)
+        return _yarn_scaling(inv, s, dim, cfg.rope_theta, cfg.max_position_embeddings)
     raise EngineError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3, yarn)")
 
 

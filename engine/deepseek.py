@@ -1,0 +1,265 @@
+"""DeepSeek-V3 / Kimi-K2 blocks: multi-head latent attention (MLA) and the routed mixture of experts.
+
+MLA caches only the compressed latent (kv_lora_rank) and one shared rope key per token. Attention runs over that
+cache directly by weight absorption: the query's no-rope part is multiplied into latent space by W_uk (from
+kv_b_proj), scores are taken against the latent, and the weighted latent goes out through W_uv. Nothing is expanded
+per head, so a decode step reads the cache once, whatever the number of heads.
+
+The routed experts are two stacked parameters ([E, 2I, H] and [E, H, I], the layout transformers 5 uses in memory);
+the `stack` attribute tells `model.hf_to_internal` how the per-expert checkpoint tensors map onto them. Routing and
+expert compute are loop-free over experts, so decode and verify are graph-capturable.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cache import MLACache
+from engine.config import ModelConfig
+from engine.errors import EngineError
+from engine.model import MLP, RMSNorm
+from engine.rope import apply_rope
+
+LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3 builds q_a/kv_a layernorms with the default eps, not rms_norm_eps
+# Gathering the active experts' weights copies them (read, write, read again): past this many gathered experts per
+# routed expert it is cheaper to run every expert once over all tokens and zero the unrouted ones.
+GATHER_LIMIT = 1 / 3
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """1/sqrt(qk_head_dim), times YaRN's mscale(factor, mscale_all_dim)**2 when the rope is scaled (as HF does)."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    s = cfg.rope_scaling or {}
+    if s.get("rope_type", "default") != "default" and s.get("mscale_all_dim"):
+        scale *= _yarn_mscale(s["factor"], s["mscale_all_dim"]) ** 2
+    return scale
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention with q_lora_rank set (q_a_proj, q_a_layernorm, q_b_proj) or unset (q_proj)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = H = cfg.num_attention_heads
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.rank = cfg.kv_lora_rank
+        self.q_lora = cfg.q_lora_rank
+        self.interleave = cfg.rope_interleave
+        self.scale = softmax_scale(cfg)
+        qk = H * (self.nope + self.rope)
+        if self.q_lora is None and cfg.attention_bias:
+            raise EngineError("attention_bias with q_lora_rank unset is not supported (q_proj has no bias)")
+        # q's first projection and kv_a_proj_with_mqa read the same input: one fused GEMV.
+        q_in = ("q_a_proj", self.q_lora) if self.q_lora else ("q_proj", qk)
+        self.split = {"wa": (q_in, ("kv_a_proj_with_mqa", self.rank + self.rope))}
+        self.wa = nn.Linear(cfg.hidden_size, q_in[1] + self.rank + self.rope, bias=cfg.attention_bias)
+        if self.q_lora:
+            self.q_a_layernorm = RMSNorm(self.q_lora, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(self.q_lora, qk, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.rank, H * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        fused = f"{q_in[0]} + kv_a_proj_with_mqa, fused: " + ("q_lora_rank" if self.q_lora else
+                                                              "num_attention_heads, qk_nope_head_dim")
+        self.shape_fields = {
+            "wa.weight": f"{fused}, kv_lora_rank, qk_rope_head_dim", "q_a_layernorm.weight": "q_lora_rank",
+            "q_b_proj.weight": "q_lora_rank, num_attention_heads, qk_nope_head_dim, qk_rope_head_dim",
+            "kv_a_proj_with_mqa.weight": "kv_lora_rank, qk_rope_head_dim", "kv_a_layernorm.weight": "kv_lora_rank",
+            "kv_b_proj.weight": "kv_lora_rank, num_attention_heads, qk_nope_head_dim, v_head_dim",
+            "o_proj.weight": "num_attention_heads, v_head_dim",
+        }
+        self.cache: MLACache | None = None
+
+    def make_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> MLACache:
+        return MLACache(batch, max_seq_len, self.rank, self.rope, dtype, device)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [..., T, Dr]. Interleaved checkpoints pair dims (0,1), (2,3)...: de-interleave, then rotate-half
+        (the result is in HF's output layout; q and k share it, so scores are unchanged)."""
+        if self.interleave:
+            x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+        return apply_rope(x, cos, sin)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                slots: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H = self.n_heads
+        q, kv = self.wa(x).split([self.wa.out_features - self.rank - self.rope, self.rank + self.rope], dim=-1)
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q_nope, q_rope = q.view(B, T, H, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        latent, k_rope = kv.split([self.rank, self.rope], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # [B, T, R]
+        q_rope = self._rope(q_rope.transpose(1, 2), cos, sin)  # [B, H, T, Dr]
+        k_rope = self._rope(k_rope, cos, sin)  # [B, T, Dr]
+        if self.cache is not None:
+            latent, k_rope = self.cache.update(slots, latent, k_rope)  # [B, S, R], [B, S, Dr]
+        elif mask is None:
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]  # [H, Dn, R], [H, Dv, R]
+        q_lat = torch.einsum("bthd,hdr->bhtr", q_nope, w_uk)  # the query in latent space
+        # Heads fold into the rows of one matmul, so the shared latent/rope cache is read once, not per head.
+        scores = (q_lat.reshape(B, H * T, self.rank) @ latent.transpose(1, 2)
+                  + q_rope.reshape(B, H * T, self.rope) @ k_rope.transpose(1, 2))
+        scores = scores.view(B, H, T, -1).float() * self.scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        p = scores.softmax(dim=-1).to(x.dtype)
+        out_lat = (p.view(B, H * T, -1) @ latent).view(B, H, T, self.rank)
+        y = torch.einsum("bhtr,hvr->bthv", out_lat, w_uv)
+        return self.o_proj(y.reshape(B, T, H * self.v_dim))
+
+
+class Router(nn.Module):
+    """Sigmoid scores, the score-correction bias for choosing (not weighting), grouped top-k (noaux_tc).
+    Kept in float32 whatever the model's dtype, as transformers keeps gate.weight and the bias."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        E = cfg.n_routed_experts
+        self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        def keep_fp32(t: torch.Tensor) -> torch.Tensor:  # move with the model, never round to its dtype
+            out = fn(t)
+            return out.float() if t.is_meta or out.dtype == torch.float32 else t.to(out.device, torch.float32)
+
+        return super()._apply(keep_fp32, recurse)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, H] -> weights [N, k] float32, expert ids [N, k]."""
+        scores = F.linear(x.float(), self.weight).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        E = choice.shape[-1]
+        group_scores = choice.view(-1, self.n_group, E // self.n_group).topk(2, dim=-1)[0].sum(-1)
+        group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
+        expert_mask = group_mask.repeat_interleave(E // self.n_group, dim=-1)
+        idx = choice.masked_fill(~expert_mask, float("-inf")).topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, idx)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, idx
+
+
+class Experts(nn.Module):
+    """The routed experts as stacked weights: gate_up_proj [E, 2I, H] (gate rows, then up), down_proj [E, H, I]."""
+
+    def __init__(self, n: int, dim: int, hidden: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * hidden, dim))
+        self.down_proj = nn.Parameter(torch.empty(n, dim, hidden))
+        self.stack = {"gate_up_proj": ("{e}.gate_proj.weight", "{e}.up_proj.weight"),
+                      "down_proj": ("{e}.down_proj.weight",)}
+        self.stack_field = "n_routed_experts"
+
+    def expert_bytes(self) -> int:
+        return (self.gate_up_proj[0].numel() * self.gate_up_proj.element_size()
+                + self.down_proj[0].numel() * self.down_proj.element_size())
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """x [N, H]; weights, idx [N, k] -> [N, H]. Shapes depend only on N, so each N captures once."""
+        N, k = idx.shape
+        E = self.gate_up_proj.shape[0]
+        if N * k <= GATHER_LIMIT * E:  # decode: gather the few active experts
+            gate, up = torch.einsum("nh,nkoh->nko", x, self.gate_up_proj[idx]).chunk(2, dim=-1)
+            y = torch.einsum("nki,nkhi->nkh", F.silu(gate) * up, self.down_proj[idx])
+            return (y * weights[..., None]).sum(1).to(x.dtype)
+        # many tokens: every expert over every token, unrouted pairs weighted by zero
+        gate, up = torch.einsum("nh,eoh->eno", x, self.gate_up_proj).chunk(2, dim=-1)
+        y = torch.einsum("eni,ehi->enh", F.silu(gate) * up, self.down_proj)
+        dense = torch.zeros(N, E, dtype=weights.dtype, device=x.device).scatter_(1, idx, weights)
+        return torch.einsum("enh,ne->nh", y.float(), dense).to(x.dtype)
+
+
+class MoE(nn.Module):
+    """Routed experts plus always-on shared experts (one MLP of n_shared_experts * moe_intermediate_size)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.shared_experts = MLP(cfg.hidden_size, shared) if shared else None
+        self.top_k = cfg.num_experts_per_tok
+        self.shape_fields = {
+            "gate.weight": "n_routed_experts", "gate.e_score_correction_bias": "n_routed_experts",
+            "experts.gate_up_proj": "n_routed_experts, moe_intermediate_size",
+            "experts.down_proj": "n_routed_experts, moe_intermediate_size",
+            "shared_experts.w13.weight": "n_shared_experts, moe_intermediate_size",
+            "shared_experts.down_proj.weight": "n_shared_experts, moe_intermediate_size",
+        }
+
+    def inactive_bytes(self) -> int:
+        """Expert weights one token does not read: what weight_bytes() leaves out of a decode step."""
+        return (self.experts.gate_up_proj.shape[0] - self.top_k) * self.experts.expert_bytes()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, idx = self.gate(flat)
+        y = self.experts(flat, weights, idx).view_as(x)
+        return y if self.shared_experts is None else y + self.shared_experts(x)
+
+
+def check_config(cfg: ModelConfig) -> None:
+    """Refuse what this implementation does not compute, naming the field."""
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(cfg, name) <= 0:
+            raise EngineError(f"config field {name} must be positive for deepseek_v3, got {getattr(cfg, name)}")
+    if cfg.qk_rope_head_dim % 2:
+        raise EngineError(f"config field qk_rope_head_dim must be even, got {cfg.qk_rope_head_dim}")
+    if cfg.q_lora_rank is not None and cfg.q_lora_rank <= 0:
+        raise EngineError(f"config field q_lora_rank must be positive or null, got {cfg.q_lora_rank}")
+    if cfg.n_routed_experts <= 0:
+        return
+    if cfg.topk_method != "noaux_tc":
+        raise EngineError(f"config field topk_method {cfg.topk_method!r} is not implemented (supported: noaux_tc)")
+    if cfg.scoring_func != "sigmoid":
+        raise EngineError(f"config field scoring_func {cfg.scoring_func!r} is not implemented (supported: sigmoid)")
+    E, g = cfg.n_routed_experts, cfg.n_group
+    if g <= 0 or E % g or E // g < 2:
+        raise EngineError(f"config field n_group {g} must divide n_routed_experts {E} into groups of >= 2 experts")
+    if not 0 < cfg.topk_group <= g:
+        raise EngineError(f"config field topk_group {cfg.topk_group} must be in 1..n_group ({g})")
+    if not 0 < cfg.num_experts_per_tok <= cfg.topk_group * (E // g):
+        raise EngineError(f"config field num_experts_per_tok {cfg.num_experts_per_tok} must be in 1.."
+                          f"{cfg.topk_group * (E // g)} (topk_group * experts per group)")
+    if cfg.moe_intermediate_size <= 0:
+        raise EngineError(f"config field moe_intermediate_size must be positive, got {cfg.moe_intermediate_size}")
+
+
+def block_parts(cfg: ModelConfig, i: int) -> tuple[nn.Module, nn.Module]:
+    """Layer i: MLA, and a dense MLP for the first first_k_dense_replace layers, MoE after."""
+    check_config(cfg)
+    mlp = MoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
+    return MLAttention(cfg), mlp
+
+
+@dataclass
+class CacheBytes:
+    """Cache bytes per token (all layers): MLA's latent + rope key against per-head keys and values."""
+    latent: int
+    expanded: int
+
+    @property
+    def ratio(self) -> float:
+        return self.expanded / self.latent
+
+
+def cache_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16) -> CacheBytes:
+    size = torch.empty((), dtype=dtype).element_size()
+    L, H = cfg.num_hidden_layers, cfg.num_attention_heads
+    latent = L * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * size
+    expanded = L * H * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * size
+    return CacheBytes(latent, expanded)
