@@ -1,0 +1,178 @@
+"""`python -m engine generate | bench | serve | train`: the bundled engine's command line.
+
+Bad input (EngineError, a bad option) prints one line on stderr and exits 2; an unexpected failure prints one line
+and exits 1. `--debug` shows the traceback instead.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+
+import click
+
+from engine.errors import EngineError
+
+EXIT_BAD_INPUT, EXIT_FAILURE = 2, 1
+
+
+class Cli(click.Group):
+    """A group that turns every error into one line on stderr and a meaningful exit code."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            rc = super().main(argv, prog_name or "python -m engine", complete_var, standalone_mode=False, **extra)
+        except click.exceptions.Exit as e:  # --help, or a command's ctx.exit(code)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("error: aborted", err=True)
+            sys.exit(130)
+        except click.ClickException as e:  # bad or missing options: UsageError and friends, exit code 2
+            click.echo(f"error: {e.format_message()} (see --help)", err=True)
+            sys.exit(e.exit_code)
+        except EngineError as e:
+            if "--debug" in argv:
+                raise
+            click.echo(f"error: {e}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+        except Exception as e:
+            if "--debug" in argv:
+                raise
+            click.echo(f"error: {type(e).__name__}: {e} (internal failure; rerun with --debug for the traceback)",
+                       err=True)
+            sys.exit(EXIT_FAILURE)
+        sys.exit(rc if isinstance(rc, int) else 0)
+
+
+@click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+def cli() -> None:
+    """The bundled speculative-decoding engine: a target model (HF-format directory or a named random-weight
+    shape), optionally an EAGLE-3 drafter, a static KV cache and CUDA-graph decoding.
+
+    Exit codes: 0 ok, 2 bad input (one line on stderr), 1 internal failure. Add --debug for tracebacks."""
+
+
+def int_list(ctx, param, value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(x) for x in value.replace(",", " ").split()]
+    except ValueError:
+        raise click.BadParameter(f"expected integers separated by commas or spaces, got {value!r}") from None
+
+
+def model_options(f: Callable) -> Callable:
+    """Options shared by generate and bench: what to load and how to run it."""
+    options = [
+        click.option("--target", type=click.Path(), default=None,
+                     help="HF-format model directory (config.json, *.safetensors, tokenizer.json)."),
+        click.option("--shape", default=None, help="Named random-weight shape instead of --target: tiny, small, "
+                                                   "llama-3.2-1b, llama-3.1-8b, qwen3-8b, ..."),
+        click.option("--device", default=None, help="cpu or cuda [default: cuda when available, else cpu]."),
+        click.option("--dtype", default=None, help="float32 | bfloat16 | float16 (fp32/bf16/fp16) "
+                                                   "[default: bf16 on cuda, fp32 on cpu]."),
+        click.option("--max-seq-len", default=2048, show_default=True, type=int,
+                     help="KV-cache length: prompt + new tokens must fit."),
+        click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+                     help="Replay the decode step as a CUDA graph (no effect on cpu)."),
+        click.option("--compile", "compile_", is_flag=True,
+                     help="torch.compile the decode step's forward inside the CUDA graph (fuses small ops)."),
+        click.option("--seed", default=0, show_default=True, type=int,
+                     help="Seed of random weights (--shape) and of sampling."),
+        click.option("--drafter", type=click.Path(), default=None,
+                     help="EAGLE-3 drafter directory: speculative decoding instead of the target alone."),
+        click.option("--steps", default=7, show_default=True, type=int, help="Draft steps per cycle."),
+        click.option("--topk", default=1, show_default=True, type=int, help="Draft top-k: 1 chain, > 1 tree."),
+        click.option("--draft-tokens", default=None, type=int, help="Tree budget of draft tokens [default: steps+1]."),
+        click.option("--eager-verify", is_flag=True, help="Run the verify forward without CUDA graphs (the slow "
+                                                          "path of the game plan, for comparison)."),
+        click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text."),
+        click.option("--debug", is_flag=True, help="Show tracebacks."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def load_engine(target, shape, device, dtype, max_seq_len, cuda_graphs, compile_, seed, drafter, steps, topk,
+                draft_tokens, eager_verify):
+    import torch
+
+    from engine.runtime import Engine
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    return Engine.load(target=target, shape=shape, drafter=drafter, device=device, dtype=dtype,
+                       max_seq_len=max_seq_len, cuda_graphs=cuda_graphs, steps=steps, topk=topk,
+                       draft_tokens=draft_tokens, eager_verify=eager_verify, seed=seed, compile=compile_)
+
+
+@cli.command()
+@model_options
+@click.option("--prompt", default=None, help="Prompt text (UTF-8 bytes as ids for shapes without a tokenizer).")
+@click.option("--prompt-ids", default=None, callback=int_list, help="Prompt token ids, e.g. '1,2,3'.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, type=int, help="0 = off.")
+@click.option("--top-p", default=1.0, show_default=True, type=float, help="1 = off.")
+@click.option("--ignore-eos", is_flag=True, help="Do not stop at the model's end-of-sequence ids.")
+def generate(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, ignore_eos, as_json, debug,
+             **load) -> None:
+    """Generate from a prompt; prints the text, the token ids, tok/s and ms per token."""
+    if (prompt is None) == (prompt_ids is None):
+        raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids IDS")
+    eng = load_engine(**load)
+    ids = eng.encode(prompt) if prompt is not None else prompt_ids
+    r = eng.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                     stop_ids=() if ignore_eos else eng.eos_ids, seed=load["seed"])
+    text = eng.decode(r.token_ids)
+    if as_json:
+        click.echo(json.dumps({**eng.info(), **r.to_dict(), "text": text}))
+        return
+    click.echo(text)
+    click.echo(f"-- token ids: {r.token_ids}", err=True)
+    click.echo(f"-- {len(r.token_ids)} tokens ({r.finish_reason}), prompt {r.prompt_len} | prefill "
+               f"{1000 * r.prefill_s:.1f} ms | decode {r.tok_s:.1f} tok/s, {r.ms_per_token:.3f} ms/token | "
+               f"accept length {r.accept_length:.2f} | {eng.info()['device']} {eng.info()['dtype']}", err=True)
+
+
+@cli.command()
+@model_options
+@click.option("--prompt-len", default=None, type=int, help="Prompt tokens [default: 128 on cuda, 16 on cpu].")
+@click.option("--new-tokens", default=None, type=int, help="Tokens per generation [default: 256 on cuda, 32 on cpu].")
+@click.option("--repeats", default=3, show_default=True, type=int, help="Timed generations per variant (median).")
+@click.option("--sizes", default=",".join(map(str, (1, 2, 4, 8, 16, 32, 64))), show_default=True,
+              callback=int_list, help="Token counts T of the forward-cost sweep.")
+@click.option("--eager/--no-eager", default=True, show_default=True, help="Also time decoding without graphs.")
+@click.option("--peer/--no-peer", default=True, show_default=True,
+              help="Also time transformers' generate (static cache) on the same weights.")
+def bench(prompt_len, new_tokens, repeats, sizes, eager, peer, as_json, debug, **load) -> None:
+    """Decode tok/s and ms/token (graph and eager), bandwidth utilisation against the copy bandwidth measured in
+    the same run, forward cost per T, and transformers' static-cache generate as the peer."""
+    from engine.bench import BenchConfig, format_table, run_bench
+
+    eng = load_engine(**load)
+    cfg = BenchConfig(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, sizes=tuple(sizes),
+                      eager=eager, peer=peer, compile=load["compile_"], seed=load["seed"])
+    r = run_bench(eng, cfg)
+    click.echo(json.dumps(r.to_dict()) if as_json else format_table(r))
+
+
+# ---- commands owned by other modules: each registers itself here when its module is present ---------------
+try:
+    from engine.serve import serve_command
+except ImportError:  # the serve extra (fastapi, uvicorn) is not installed
+    pass
+else:
+    cli.add_command(serve_command, "serve")
+try:
+    from engine.train import train_command  # noqa: F401 - engine/train exposes its click group here
+except ImportError:
+    pass
+else:
+    cli.add_command(train_command, "train")
+
+
+if __name__ == "__main__":
+    cli()

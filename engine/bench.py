@@ -1,0 +1,210 @@
+"""Benchmarks of the target model on this machine, all in one run so their ratios are steady:
+copy bandwidth, decode tok/s (CUDA graph and eager), bandwidth utilisation, forward cost per token count T, and
+transformers' own static-cache `generate` on the same weights as the peer. With a drafter, speculative tok/s too.
+"""
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from engine.errors import EngineError
+from engine.generate import Generator, sync
+from engine.graphs import GraphSet
+from engine.loading import save_model
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class BenchConfig:
+    prompt_len: int | None = None  # None: 128 on CUDA, 16 on CPU
+    new_tokens: int | None = None  # None: 256 on CUDA, 32 on CPU
+    repeats: int = 3  # timed generations per variant (median reported)
+    sizes: tuple[int, ...] = SIZES  # token counts T of the forward-cost sweep
+    eager: bool = True  # also time the decode without CUDA graphs
+    peer: bool = True  # also time transformers' generate (static cache)
+    compile: bool = False  # torch.compile the decode step's forward inside our graph
+    seed: int = 0
+
+    def resolve(self, device: torch.device) -> "BenchConfig":
+        cuda = device.type == "cuda"
+        return BenchConfig(**{**asdict(self), "prompt_len": self.prompt_len or (128 if cuda else 16),
+                              "new_tokens": self.new_tokens or (256 if cuda else 32)})
+
+
+@dataclass
+class DecodeStat:
+    tok_s: float  # median over repeats, decode only (prefill excluded)
+    ms_per_token: float
+    bw_util: float  # weight bytes per token / step time, as a fraction of the measured copy bandwidth
+    samples: list[float]  # tok/s of each repeat
+    accept_length: float = 1.0
+
+
+@dataclass
+class BenchResult:
+    model: str
+    device: str
+    dtype: str
+    graphs: bool  # whether "graph" really replayed CUDA graphs (False on CPU: it ran eagerly)
+    prompt_len: int
+    new_tokens: int
+    weight_bytes: int  # read per decode token
+    copy_gb_s: float  # device copy bandwidth, read + write bytes per second / 1e9
+    decode: dict[str, DecodeStat] = field(default_factory=dict)  # "graph", "eager", "speculative"
+    forward_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # "graph" / "eager" -> T -> ms
+    peer_tok_s: float | None = None  # transformers generate, static cache, greedy
+    spec: dict | None = None  # speculative settings when a drafter was given
+
+    @property
+    def t8_over_t1(self) -> float | None:
+        f = self.forward_ms.get("graph") or self.forward_ms.get("eager") or {}
+        return f[8] / f[1] if 1 in f and 8 in f else None
+
+    @property
+    def peer_ratio(self) -> float | None:
+        return self.decode["graph"].tok_s / self.peer_tok_s if self.peer_tok_s else None
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "t8_over_t1": self.t8_over_t1, "peer_ratio": self.peer_ratio}
+
+
+def time_fn(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 2) -> float:
+    """Seconds per call of fn: CUDA events around `iters` back-to-back calls, after warm-up."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000 / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """GB/s of a large device-to-device copy, counting bytes read plus bytes written."""
+    nbytes = (1 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    s = time_fn(lambda: dst.copy_(src), device, iters=20 if device.type == "cuda" else 5)
+    return 2 * nbytes / s / 1e9
+
+
+def prompt_ids(vocab: int, n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def decode_stat(decoder, prompt: list[int], cfg: BenchConfig, weight_bytes: int, copy_gb_s: float) -> DecodeStat:
+    decoder.generate(prompt, min(cfg.new_tokens, 8), seed=cfg.seed)  # capture graphs, warm caches
+    runs = [decoder.generate(prompt, cfg.new_tokens, seed=cfg.seed) for _ in range(cfg.repeats)]
+    samples = [r.tok_s for r in runs]
+    tok_s = statistics.median(samples)
+    return DecodeStat(tok_s=tok_s, ms_per_token=1000.0 / tok_s, bw_util=weight_bytes * tok_s / (copy_gb_s * 1e9),
+                      samples=samples, accept_length=statistics.median(r.accept_length for r in runs))
+
+
+@torch.no_grad()
+def forward_costs(model, start: int, sizes: tuple[int, ...], graphs: bool) -> dict[int, float]:
+    """ms per forward of T tokens at positions start.. (cache reads and writes included), one graph per T."""
+    device = model.device
+    iters = 20 if device.type == "cuda" else 3
+
+    def make_inputs(t: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.randint(0, model.cfg.vocab_size, (1, t), device=device),
+                "input_pos": torch.arange(start, start + t, device=device)}
+
+    def fwd(input_ids, input_pos):
+        return model(input_ids, input_pos)[0]
+
+    calls = GraphSet(fwd, make_inputs, sizes, enabled=graphs)
+    return {t: 1000 * time_fn(lambda t=t: calls(t), device, iters) for t in sizes}
+
+
+@torch.no_grad()
+def peer_tok_s(model, prompt: list[int], new_tokens: int, repeats: int) -> float:
+    """transformers' greedy generate with its static cache on the same weights (saved and reloaded in HF format).
+    Decode-only tok/s: (n - 1) / (time(n tokens) - time(1 token)), so its prefill is excluded as ours is."""
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as d:
+        save_model(model, d)
+        hf = AutoModelForCausalLM.from_pretrained(d, dtype=model.dtype).to(model.device).eval()
+    ids = torch.tensor([prompt], device=model.device)
+
+    def run(n: int) -> None:
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                    cache_implementation="static", pad_token_id=0)
+
+    run(1), run(new_tokens)  # warm-up: transformers compiles the static-cache decode on CUDA
+    median = lambda n: statistics.median(time_fn(lambda: run(n), model.device, 1, 0) for _ in range(repeats))  # noqa
+    one, full = median(1), median(new_tokens)
+    del hf
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return (new_tokens - 1) / max(full - one, 1e-9)
+
+
+def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
+    """`eng` is a runtime.Engine; its model is benchmarked, and its decoder too when it is speculative."""
+    model = eng.model
+    device = model.device
+    cfg = cfg.resolve(device)
+    need = cfg.prompt_len + max(cfg.new_tokens, max(cfg.sizes))
+    if need > eng.max_seq_len:
+        raise EngineError(f"the benchmark needs a cache of {need} tokens; raise --max-seq-len above {eng.max_seq_len}")
+    if min(cfg.sizes) <= 0 or cfg.repeats <= 0 or cfg.new_tokens < 2:
+        raise EngineError("sizes and repeats must be positive and new tokens at least 2")
+    graphs = device.type == "cuda"
+    res = BenchResult(model=eng.name, device=str(device), dtype=str(model.dtype).removeprefix("torch."),
+                      graphs=graphs, prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens,
+                      weight_bytes=model.weight_bytes(), copy_gb_s=copy_bandwidth(device))
+    prompt = prompt_ids(model.cfg.vocab_size, cfg.prompt_len, cfg.seed)
+    stat = lambda dec: decode_stat(dec, prompt, cfg, res.weight_bytes, res.copy_gb_s)  # noqa: E731
+    res.decode["graph"] = stat(Generator(model, eng.max_seq_len, cuda_graphs=True, compile=cfg.compile))
+    if cfg.eager:
+        res.decode["eager"] = stat(Generator(model, eng.max_seq_len, cuda_graphs=False))
+    res.forward_ms["graph" if graphs else "eager"] = forward_costs(model, cfg.prompt_len, cfg.sizes, graphs)
+    if graphs and cfg.eager:
+        res.forward_ms["eager"] = forward_costs(model, cfg.prompt_len, cfg.sizes, False)
+    if eng.speculative:
+        res.decode["speculative"] = stat(eng.decoder)
+        res.spec = {k: getattr(eng.decoder, k, None) for k in ("steps", "topk", "draft_tokens", "eager_verify")}
+    if cfg.peer:
+        res.peer_tok_s = peer_tok_s(model, prompt, cfg.new_tokens, cfg.repeats)
+    return res
+
+
+def format_table(r: BenchResult) -> str:
+    gb = r.weight_bytes / 1e9
+    lines = [f"{r.model} on {r.device} ({r.dtype}), prompt {r.prompt_len}, {r.new_tokens} new tokens, "
+             f"weights read per token {gb:.3f} GB, copy bandwidth {r.copy_gb_s:.1f} GB/s",
+             "", f"{'decode':<22}{'tok/s':>10}{'ms/token':>10}{'bw util':>9}{'accept':>8}"]
+    for name, d in r.decode.items():
+        label = name if r.graphs or name != "graph" else "graph (eager on cpu)"
+        lines.append(f"{label:<22}{d.tok_s:>10.1f}{d.ms_per_token:>10.3f}{d.bw_util:>8.1%}{d.accept_length:>8.2f}")
+    if r.peer_tok_s:
+        lines.append(f"{'transformers static':<22}{r.peer_tok_s:>10.1f}{1000 / r.peer_tok_s:>10.3f}"
+                     f"   ours/theirs {r.peer_ratio:.2f}x")
+    if "speculative" in r.decode:
+        lines.append(f"speculative {r.spec}: {r.decode['speculative'].tok_s / r.decode['graph'].tok_s:.2f}x "
+                     "the graph baseline")
+    sizes = sorted(next(iter(r.forward_ms.values())))
+    lines += ["", f"{'forward ms':<12}" + "".join(f"{'T=' + str(t):>9}" for t in sizes)]
+    for name, f in r.forward_ms.items():
+        lines.append(f"{name:<12}" + "".join(f"{f[t]:>9.3f}" for t in sizes))
+    if r.t8_over_t1 is not None:
+        lines.append(f"T=8 / T=1 forward cost: {r.t8_over_t1:.2f}x")
+    return "\n".join(lines)
