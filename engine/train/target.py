@@ -1,0 +1,121 @@
+"""Targets A and B: A trained from scratch on mix A (stands for Kimi-K2), B = A trained further on the shifted mix B
+(Kimi-K2.5). Any ModelConfig family trains through the same engine.model.Transformer with autograd; the result is
+an HF checkpoint (config.json, model.safetensors, tokenizer.json) that transformers and the engine both load."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.errors import EngineError
+from engine.loading import load_model, random_model, read_config, resolve_dtype, save_model
+from engine.model import Transformer
+from engine.train import corpus, loop
+from engine.train.data import batch_at, eval_batches, token_stream
+from engine.train.presets import TargetRun
+from engine.train.tokenizer import load_tokenizer, save_tokenizer, tokenizer_hash
+
+
+@dataclass
+class TargetResult:
+    path: Path
+    n_params: int
+    final_loss: float  # mean training loss over the last 5% of steps
+    val_loss: float
+    log: loop.TrainLog
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA (weights and optimizer stay fp32); plain fp32 on CPU, where bf16 is slow."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
+    x, y = batch[:, :-1], batch[:, 1:]
+    logits, _ = model(x, torch.arange(x.shape[1], device=x.device))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def n_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW(0.9, 0.95); no decay on norms and biases (1-d parameters)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    fused = all(p.is_cuda for p in params)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=fused or None)
+
+
+def file_digest(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
+
+
+def check_vocab(cfg: ModelConfig, tokenizer_dir: Path, vocab: int) -> None:
+    if cfg.vocab_size != vocab:
+        raise EngineError(f"the model's vocab_size is {cfg.vocab_size} but the tokenizer in {tokenizer_dir} has "
+                          f"{vocab} tokens: they must match")
+
+
+def train_target(out_dir: str | Path, run: TargetRun, tokenizer_dir: str | Path, cfg: ModelConfig | None = None,
+                 init_from: str | Path | None = None, device: str = "cpu", save_dtype: str = "float32"
+                 ) -> TargetResult:
+    """Train a target into out_dir (resuming an interrupted run there). Either cfg (from scratch) or init_from
+    (an existing checkpoint trained further, as B from A). A finished run with the same inputs is not redone."""
+    out, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
+    if (cfg is None) == (init_from is None):
+        raise EngineError("train a target either from a config or from an existing checkpoint (init_from), not both")
+    tok = load_tokenizer(tokenizer_dir)
+    cfg = read_config(init_from) if init_from is not None else cfg
+    check_vocab(cfg, tokenizer_dir, tok.get_vocab_size())
+    if init_from is not None and tokenizer_hash(init_from) not in (None, tokenizer_hash(tokenizer_dir)):
+        raise EngineError(f"{init_from} was trained with another tokenizer than {tokenizer_dir}")
+    params = {"run": dataclasses.asdict(run), "config": cfg.to_hf(), "tokenizer": tokenizer_hash(tokenizer_dir),
+              "corpus": corpus.manifest_hash(), "save_dtype": save_dtype,
+              "init_from": file_digest(Path(init_from) / "model.safetensors") if init_from else None}
+    if (log := loop.read_log(out, params)) is not None and (out / "model.safetensors").is_file():
+        return _result(out, read_config(out), log)
+
+    dev = torch.device(device)
+    train_ids = token_stream(tok, corpus.texts(run.mix, "train", run.data_bytes))
+    val_ids = token_stream(tok, corpus.texts(run.mix, "validation", max(run.data_bytes // 10, 200_000)))
+    model = load_model(init_from, device=dev) if init_from else random_model(cfg, device=dev, seed=run.seed)
+    model.train()
+    opt = make_optimizer(model, run.lr, run.weight_decay)
+    fwd = torch.compile(model) if run.compile and dev.type == "cuda" else model
+    val = eval_batches(val_ids, run.eval_batches, run.batch_size, run.seq_len)
+
+    def step_fn(step: int):
+        with autocast(dev):
+            return lm_loss(fwd, batch_at(train_ids, step, run.batch_size, run.seq_len, run.seed).to(dev)), {}
+
+    @torch.no_grad()
+    def eval_fn() -> dict[str, float]:
+        model.eval()
+        with autocast(dev):
+            loss = sum(lm_loss(fwd, b.to(dev)).item() for b in val) / len(val)
+        model.train()
+        return {"val_loss": loss}
+
+    sched = loop.Schedule(run.steps, run.lr, run.warmup, run.min_lr_ratio, run.grad_clip, run.ckpt_every)
+    desc = f"target {out.name} ({run.mix})"
+    log = loop.train(out, params, model, opt, sched, step_fn, desc, eval_fn, run.eval_every or run.steps)
+    save_model(model.eval(), out, dtype=resolve_dtype(save_dtype))
+    save_tokenizer(tok, out)
+    loop.finish(out, log)
+    return _result(out, model.cfg, log)
+
+
+def _result(out: Path, cfg: ModelConfig, log: loop.TrainLog) -> TargetResult:
+    with torch.device("meta"):
+        count = n_params(Transformer(cfg))
+    return TargetResult(out, count, log.final_loss, log.evals[-1]["val_loss"], log)
