@@ -5,8 +5,8 @@ Endpoints: POST /v1/completions and /v1/chat/completions (streaming SSE and not)
 (spec_verify_ct, spec_accept_token_num, spec_accept_length), in the final chunk when streaming.
 
 One worker thread owns the engine and runs one request at a time from a bounded queue; a full queue answers 429.
-A client that disconnects mid-stream cancels its request at the next chunk. Without a tokenizer (random-weight
-shapes) text maps to UTF-8 bytes (token ids 0-255) and ids decode modulo 256. Without a chat template (see
+A client that disconnects mid-stream cancels its request at the next chunk. Text goes through Engine.encode /
+Engine.decode (UTF-8 bytes for random-weight shapes without a tokenizer). Without a chat template (see
 `load_chat_template`) chat messages are rendered as "<|role|>\\ncontent\\n" lines followed by "<|assistant|>\\n".
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,32 +49,11 @@ class ServeConfig:
 
 # ----------------------------------------------------------------------------------------------- text <-> ids
 
-class ByteCodec:
-    """Stand-in tokenizer for random-weight shapes: UTF-8 bytes in, ids modulo 256 out."""
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i % 256 for i in ids).decode(errors="replace")
-
-
-class TokenizerCodec:
-    def __init__(self, tok: Any):
-        self.tok = tok
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
-
-
 class Detokenizer:
     """Incremental text of a growing id list; holds back text that may still become a stop string."""
 
-    def __init__(self, codec: ByteCodec | TokenizerCodec, stops: list[str]):
-        self.codec, self.stops = codec, stops
+    def __init__(self, decode: Callable[[list[int]], str], stops: list[str]):
+        self.decode, self.stops = decode, stops
         self.ids: list[int] = []
         self.sent = 0  # characters already emitted
         self.hold = max((len(s) for s in stops), default=1) - 1
@@ -82,7 +61,7 @@ class Detokenizer:
     def add(self, ids: list[int]) -> tuple[str, bool]:
         """New text safe to emit, and whether a stop string was reached (text is cut before it)."""
         self.ids += ids
-        text = self.codec.decode(self.ids)
+        text = self.decode(self.ids)
         cut = min((i for i in (text.find(s, max(self.sent - self.hold, 0)) for s in self.stops) if i >= 0),
                   default=-1)
         if cut >= 0:
@@ -92,7 +71,7 @@ class Detokenizer:
         return self._emit(text[: len(text) - self.hold]), False
 
     def flush(self) -> str:
-        return self._emit(self.codec.decode(self.ids))
+        return self._emit(self.decode(self.ids))
 
     def _emit(self, text: str) -> str:
         new = text[self.sent:]
@@ -371,14 +350,13 @@ class Generation:
 class Server:
     def __init__(self, eng: Any, cfg: ServeConfig, chat_template: str | None = None):
         self.eng, self.cfg, self.chat_template = eng, cfg, chat_template
-        self.codec = ByteCodec() if eng.tokenizer is None else TokenizerCodec(eng.tokenizer)
         self.max_prompt = min(cfg.max_prompt_tokens or eng.max_seq_len, eng.max_seq_len - 1)
         self.worker = Worker(eng, cfg.queue_size)
         self.metrics = Metrics(self.worker)
 
     # ---- request -> job
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        ids = self.codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = self.eng.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.eng.vocab_size
         if any(not 0 <= i < vocab for i in ids):
             raise HTTPException(400, f"prompt token ids must lie in [0, {vocab})")
@@ -415,7 +393,7 @@ class Server:
     async def complete(self, req: SamplingRequest, ids: list[int], max_tokens: int | None, chat: bool):
         params = self.job_params(req, len(ids), max_tokens)
         job = self.submit(ids, params)
-        gen = Generation(len(ids), Detokenizer(self.codec, req.stops()))
+        gen = Generation(len(ids), Detokenizer(self.eng.decode, req.stops()))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -582,9 +560,10 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Ite
 @click.option("--dtype", default="bfloat16", show_default=True)
 @click.option("--max-seq-len", default=4096, show_default=True, type=click.IntRange(min=16), help="Cache length.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True)
-@click.option("--steps", default=2, show_default=True, type=click.IntRange(min=1), help="Draft steps per cycle.")
+@click.option("--steps", default=7, show_default=True, type=click.IntRange(min=1), help="Draft steps per cycle.")
 @click.option("--topk", default=1, show_default=True, type=click.IntRange(min=1), help="1: chain; > 1: tree.")
 @click.option("--draft-tokens", default=None, type=click.IntRange(min=2), help="Tree budget (default steps + 1).")
+@click.option("--eager-verify", is_flag=True, help="Verify without CUDA graphs (the game plan's slow path).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address; loopback unless told.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--api-key", default=None, envvar="SPECBOOK_API_KEY", help="Require 'Authorization: Bearer KEY'.")
@@ -596,7 +575,8 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Ite
               help="Requests waiting behind the running one; beyond it: 429.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 def serve_command(target: str | None, shape: str | None, drafter: str | None, device: str | None, dtype: str,
-                  max_seq_len: int, cuda_graphs: bool, steps: int, topk: int, draft_tokens: int | None, host: str,
+                  max_seq_len: int, cuda_graphs: bool, steps: int, topk: int, draft_tokens: int | None,
+                  eager_verify: bool, host: str,
                   port: int, api_key: str | None, model_name: str, max_body_bytes: int,
                   max_prompt_tokens: int | None, max_tokens_limit: int, queue_size: int, debug: bool) -> None:
     """OpenAI-compatible server for the bundled engine (/v1/completions, /v1/chat/completions, /metrics)."""
@@ -608,11 +588,9 @@ def serve_command(target: str | None, shape: str | None, drafter: str | None, de
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     try:
-        if (target is None) == (shape is None):
-            raise EngineError("give exactly one of --target DIR or --shape NAME")
         eng = Engine.load(target=target, shape=shape, drafter=drafter, device=device, dtype=dtype,
                           max_seq_len=max_seq_len, cuda_graphs=cuda_graphs, steps=steps, topk=topk,
-                          draft_tokens=draft_tokens or steps + 1)
+                          draft_tokens=draft_tokens, eager_verify=eager_verify)
     except EngineError as e:
         if debug:
             raise
