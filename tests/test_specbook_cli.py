@@ -1,0 +1,205 @@
+"""`runbook` end to end on throwaway repositories: papermill runs, records, verdicts, bad input and exit codes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from specbook import provenance
+from specbook_testing import baseline, cli, make_repo, runbook_text, write_runbook
+
+FROM_FILE = runbook_text(params='direction = "higher"', body="""
+    value = float(open("value.txt").read())  # runbooks run with the repository root as working directory
+    record("x", value, unit="tok/s", direction=direction, rel_tol=0.1)
+""")
+
+
+@pytest.fixture(autouse=True)
+def cpu_machine(monkeypatch):
+    monkeypatch.setattr(provenance, "detect_profile", lambda: "cpu")
+
+
+def _one_line_error(result, code: int, *fragments: str) -> None:
+    assert result.exit_code == code, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and "Traceback" not in result.stderr, result.stderr
+    for f in fragments:
+        assert f in lines[-1], lines[-1]
+
+
+def test_help_documents_exit_codes():
+    r = cli(Path("."), "--help")
+    assert r.exit_code == 0 and "Exit codes:" in r.stdout and "3  could not run" in r.stdout
+
+
+def test_run_records_publishes_and_verifies(tmp_path):
+    root = make_repo(tmp_path, bench=FROM_FILE)
+    (root / "value.txt").write_text("100")
+    r = cli(root, "run", "bench")
+    assert r.exit_code == 0, r.stderr
+    assert "bench" in r.stdout and "100" in r.stdout and "new" in r.stdout
+    rec = baseline(root, "bench")["profiles"]["cpu"]
+    assert rec["metrics"]["x"]["value"] == 100.0 and rec["runs"][0]["source"] == "measured"
+    assert {"git_commit", "engine_hash", "versions", "gpu", "env", "sitecustomize"} <= set(rec["runs"][0]["provenance"])
+    assert json.loads((root / "docs/runbooks/executed/bench-cpu.ipynb").read_text())["cells"]
+
+    r = cli(root, "verify", "--json")
+    out = json.loads(r.stdout)
+    assert r.exit_code == 0 and [v["verdict"] for v in out["verdicts"]] == ["fresh"]
+    assert out["verdicts"][0]["measured"] == 100.0
+
+    r = cli(root, "run", "bench", "--json")
+    rows = json.loads(r.stdout)
+    assert r.exit_code == 0 and rows[0]["recorded"] == 100.0 and rows[0]["change"] == "within tolerance"
+    assert len(baseline(root, "bench")["profiles"]["cpu"]["metrics"]["x"]["history"]) == 2
+
+
+@pytest.mark.parametrize("direction, new, change", [
+    ("higher", "80", "regression"), ("higher", "120", "improvement"),
+    ("lower", "80", "improvement"), ("lower", "120", "regression"),
+])
+def test_verify_drift_exits_1(tmp_path, direction, new, change):
+    root = make_repo(tmp_path, bench=FROM_FILE)
+    (root / "value.txt").write_text("100")
+    assert cli(root, "run", "bench", "-p", f"direction={direction}").exit_code == 0
+    (root / "value.txt").write_text(new)
+    r = cli(root, "verify", "bench", "--json")
+    v = json.loads(r.stdout)["verdicts"][0]
+    assert r.exit_code == 1 and v["verdict"] == "drifted" and v["change"] == change
+    assert baseline(root, "bench")["profiles"]["cpu"]["metrics"]["x"]["value"] == 100.0  # verify never records
+
+
+def test_failing_cell_is_one_line_and_records_nothing(tmp_path):
+    root = make_repo(tmp_path, bad=runbook_text(body="record('x', 1.0, unit='u')\nraise KeyError('no such model')"))
+    r = cli(root, "run", "bad")
+    _one_line_error(r, 3, "runbook bad: cell 3 (line", "raised KeyError: 'no such model'", "partly executed notebook")
+    partial = Path(r.stderr.split("partly executed notebook: ")[1].rstrip(")\n"))
+    assert partial.exists() and not (root / "baselines" / "bad.yaml").exists()
+
+
+def test_whole_run_timeout(tmp_path):
+    root = make_repo(tmp_path, slow=runbook_text(extra_header="timeout: 2", body="import time\ntime.sleep(30)"))
+    t0 = time.monotonic()
+    _one_line_error(cli(root, "run", "slow"), 3, "whole-run timeout 2s exceeded")
+    assert time.monotonic() - t0 < 20
+
+
+def test_reproduces_must_be_recorded(tmp_path):
+    root = make_repo(tmp_path, r=runbook_text(extra_header="reproduces: [x, tok_s]"))
+    _one_line_error(cli(root, "run", "r"), 3, "declares reproduces ['tok_s'] but did not record them")
+
+
+@pytest.mark.parametrize("args, code, fragment", [
+    (("run", "bnech"), 2, "did you mean bench"),
+    (("run", "../bench"), 2, "invalid runbook name"),
+    (("show", "a/b"), 2, "invalid runbook name"),
+    (("run", "bench", "-p", "valeu=3"), 2, "did you mean value"),
+    (("run", "bench", "-p", "value=fast"), 2, "must be float"),
+    (("run", "bench", "--profile", "h200"), 2, "cannot measure profile h200 on this machine (it is cpu)"),
+    (("run", "gpuonly"), 3, "cannot run on profile cpu"),
+    (("verify", "nope"), 2, "unknown runbook 'nope'"),
+])
+def test_bad_input(tmp_path, args, code, fragment):
+    root = make_repo(tmp_path, bench=runbook_text(), gpuonly=runbook_text(profiles="{h200: {}}"))
+    _one_line_error(cli(root, *args), code, fragment)
+
+
+def test_malformed_record_names_file_and_line(tmp_path):
+    root = make_repo(tmp_path, bench=runbook_text())
+    (root / "baselines" / "bench.yaml").write_text("runbook: bench\nprofiles:\n  cpu: [\n")
+    for args in (("status",), ("verify",), ("show", "bench"), ("run", "bench")):
+        _one_line_error(cli(root, *args), 2, "bench.yaml:", "malformed YAML")
+
+
+def test_dependencies_run_once_and_again_when_stale(tmp_path):
+    up = runbook_text(params='outputs_dir = ""', body="""
+        from pathlib import Path
+        Path(outputs_dir, "model.txt").write_text("41")
+    """)
+    down = runbook_text(extra_header="depends: [up]", params="upstream = {}", body="""
+        from pathlib import Path
+        record("x", float(Path(upstream["up"], "model.txt").read_text()) + 1, unit="u")
+    """)
+    root = make_repo(tmp_path, up=up, down=down)
+    r = cli(root, "run", "down")
+    assert r.exit_code == 0, r.stderr
+    assert "running up" in r.stderr and baseline(root, "down")["profiles"]["cpu"]["metrics"]["x"]["value"] == 42.0
+    assert not (root / "baselines" / "up.yaml").exists()  # it recorded no numbers
+
+    r = cli(root, "run", "down")
+    assert r.exit_code == 0 and "running up" not in r.stderr  # cached outputs of the same inputs
+    assert "running up" in cli(root, "run", "down", "--force").stderr
+
+    write_runbook(root, "up", up.replace('"41"', '"9"'))
+    assert cli(root, "status", "down").exit_code == 1  # stale: its upstream changed
+    r = cli(root, "run", "down")
+    assert "running up" in r.stderr and baseline(root, "down")["profiles"]["cpu"]["metrics"]["x"]["value"] == 10.0
+
+
+def test_dependency_cycle(tmp_path):
+    root = make_repo(tmp_path, a=runbook_text(extra_header="depends: [b]"), b=runbook_text(extra_header="depends: [a]"))
+    _one_line_error(cli(root, "run", "a"), 2, "dependency cycle: a -> b -> a")
+
+
+def test_list_show_env_status(tmp_path):
+    root = make_repo(tmp_path, bench=runbook_text(profiles="{cpu: {}, h200: {}}"))
+    assert json.loads(cli(root, "list", "--json").stdout)[0]["records"] == {"-": "unrecorded"}
+    assert cli(root, "run", "bench").exit_code == 0
+    listed = json.loads(cli(root, "list", "--json").stdout)
+    assert listed == [{"name": "bench", "title": "T", "profiles": ["cpu", "h200"], "depends": [],
+                       "records": {"cpu": "fresh"}}]
+    shown = cli(root, "show", "bench")
+    assert shown.exit_code == 0 and "rel 0.1" in shown.stdout and "commit" in shown.stdout
+    assert json.loads(cli(root, "show", "bench", "--json").stdout)["runbook"] == "bench"
+    env = json.loads(cli(root, "env", "--json").stdout)
+    assert {"git_commit", "versions", "gpu", "env", "sitecustomize", "profile"} <= set(env)
+    r = cli(root, "status", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)[0]["verdict"] == "fresh"
+
+
+def _here() -> str:
+    """A profile the subprocesses below can run on (they detect the real machine, e.g. h200 on the GPU box)."""
+    p = provenance.profile_of(provenance.gpus())
+    return f"{{{p}: {{}}}}"
+
+
+def _runbook_cmd(root: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "SPECBOOK_ROOT": str(root)}
+    return subprocess.Popen([sys.executable, "-m", "specbook.cli", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_two_concurrent_runs_both_land(tmp_path):
+    root = make_repo(tmp_path, bench=runbook_text(profiles=_here()))
+    procs = [_runbook_cmd(root, "run", "bench") for _ in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    assert [len(p["runs"]) for p in baseline(root, "bench")["profiles"].values()] == [2]
+
+
+def test_sigkill_mid_run_leaves_the_record_untouched(tmp_path):
+    slow = runbook_text(profiles=_here(), params="value = 1.0\nwait = 0.0", body="""
+        record("x", value, unit="u")
+        print("recorded", flush=True)
+        import time
+        time.sleep(wait)
+    """)
+    root = make_repo(tmp_path, bench=slow)
+    assert _runbook_cmd(root, "run", "bench").wait(timeout=60) == 0
+    before = (root / "baselines" / "bench.yaml").read_bytes()
+    proc = _runbook_cmd(root, "run", "bench", "-p", "value=2.0", "-p", "wait=60")
+    deadline = time.monotonic() + 60
+    while not list((root / ".specbook" / "runs").glob("bench-*/*.records.jsonl")):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (root / "baselines" / "bench.yaml").read_bytes() == before
+    assert _runbook_cmd(root, "run", "bench", "-p", "value=3.0").wait(timeout=60) == 0  # no stale lock blocks it
+    assert [p["metrics"]["x"]["value"] for p in baseline(root, "bench")["profiles"].values()] == [3.0]

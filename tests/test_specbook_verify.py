@@ -1,0 +1,110 @@
+"""Verdicts: drift in both directions and with direction none, stale detection, other profiles, exit codes."""
+
+import datetime as dt
+from pathlib import Path
+
+import pytest
+
+from specbook import records
+from specbook.execute import target
+from specbook.record import Metric
+from specbook.verify import (DRIFTED, ELSEWHERE, FAILED, FRESH, STALE, UNRECORDED, Verdict, age, drift, exit_code,
+                             status, verify)
+from specbook_testing import make_repo, runbook_text, write_runbook
+
+
+def entry(value: float, direction: str, rel: float = 0.0, abs_: float = 0.0) -> dict:
+    return {"value": value, "direction": direction, "tolerance": {"rel": rel, "abs": abs_}}
+
+
+@pytest.mark.parametrize("e, new, expected", [
+    (entry(100, "higher", rel=0.1), 109.9, None),
+    (entry(100, "higher", rel=0.1), 89, "regression"),
+    (entry(100, "higher", rel=0.1), 111, "improvement"),
+    (entry(100, "lower", rel=0.1), 111, "regression"),
+    (entry(100, "lower", rel=0.1), 89, "improvement"),
+    (entry(100, "lower", abs_=20), 119, None),  # the larger of relative and absolute tolerance
+    (entry(100, "lower", rel=0.1, abs_=20), 121, "regression"),
+    (entry(1.5, "none"), 1.5, None),
+    (entry(1.5, "none"), 1.5000001, "changed"),
+    (entry(1.5, "none"), 1.4999999, "changed"),
+    (entry(0.1 + 0.2, "none"), 0.3, None),  # float noise is not drift
+])
+def test_drift(e, new, expected):
+    assert drift(e, new) == expected
+
+
+def test_exit_codes():
+    v = lambda verdict: Verdict("r", "cpu", "m", verdict)  # noqa: E731
+    assert exit_code([v(FRESH), v(STALE), v(ELSEWHERE), v(UNRECORDED)]) == 0
+    assert exit_code([v(FRESH), v(DRIFTED)]) == 1
+    assert exit_code([v(DRIFTED), v(FAILED)]) == 3
+
+
+def test_age():
+    now = dt.datetime(2026, 11, 29, 12, tzinfo=dt.timezone.utc)
+    assert age("2026-11-26T11:00:00Z", now) == "3d"
+    assert age(dt.datetime(2026, 11, 29, 7, 30), now) == "4h"
+
+
+def _record_current(root: Path, name: str, profile: str = "cpu", value: float = 1.0) -> None:
+    """Record a run whose inputs hash is the current one, without executing anything."""
+    t = target(root, name, profile)
+    run = {"id": records.new_run_id("2026-11-29T10:00:00Z"), "date": "2026-11-29T10:00:00Z",
+           "source": "measured", "inputs_hash": t.inputs_hash, "parameters": t.params, "provenance": {}}
+    records.add_run(root, name, profile, run, [Metric("x", value, "u", "higher")])
+
+
+def _verdicts(vs: list[Verdict]) -> dict:
+    return {(v.runbook, v.profile, v.metric): v.verdict for v in vs}
+
+
+def test_stale_when_runbook_parameters_or_engine_change(tmp_path):
+    root = make_repo(tmp_path, a=runbook_text(), b=runbook_text(profiles="{cpu: {}, h200: {value: 2.0}}"))
+    (root / "engine").mkdir()
+    (root / "engine" / "model.py").write_text("LAYERS = 2\n")
+    _record_current(root, "a")
+    _record_current(root, "b", "h200")
+    assert _verdicts(status(root)) == {("a", "cpu", "x"): FRESH, ("b", "h200", "x"): FRESH}
+
+    write_runbook(root, "b", runbook_text(profiles="{cpu: {}, h200: {value: 3.0}}"))  # h200 parameters only
+    assert _verdicts(status(root)) == {("a", "cpu", "x"): FRESH, ("b", "h200", "x"): STALE}
+
+    write_runbook(root, "a", runbook_text(params="value = 1.0  # a comment is a change too"))
+    assert status(root, ["a"])[0].verdict == STALE
+
+    _record_current(root, "a")
+    _record_current(root, "b", "h200")
+    (root / "engine" / "model.py").write_text("LAYERS = 3\n")
+    assert set(_verdicts(status(root)).values()) == {STALE}
+
+
+def test_stale_when_upstream_changes(tmp_path):
+    root = make_repo(tmp_path, up=runbook_text(), down=runbook_text(extra_header="depends: [up]"))
+    _record_current(root, "down")
+    assert status(root, ["down"])[0].verdict == FRESH
+    write_runbook(root, "up", runbook_text(params="value = 2.0"))
+    assert status(root, ["down"])[0].verdict == STALE
+
+
+def test_status_without_runbook_or_profile(tmp_path):
+    root = make_repo(tmp_path, a=runbook_text(profiles="{cpu: {}, h200: {}}"))
+    _record_current(root, "a", "h200")
+    write_runbook(root, "a", runbook_text(profiles="{cpu: {}}"))  # h200 dropped from the runbook
+    v = status(root)[0]
+    assert v.verdict == FAILED and "cannot run on profile h200" in v.detail
+    (root / "runbooks" / "a.py").unlink()
+    assert "unknown runbook 'a'" in status(root)[0].detail
+
+
+def test_reported_and_other_profiles_are_not_verifiable_here(tmp_path):
+    root = make_repo(tmp_path, a=runbook_text(profiles="{cpu: {}, h200: {}}"))
+    _record_current(root, "a", "h200", value=227.0)
+    run = {"id": "r1", "date": "2026-11-01T00:00:00Z", "source": "reported", "provenance": {"reported_by": "x"}}
+    records.add_run(root, "k25", "8x-rtx-pro-6000", run, [Metric("tok_s", 82.5, "tok/s", "higher")])
+    vs = verify(root, "cpu", progress=False, log=lambda m: None)  # nothing here to run: no execution
+    assert _verdicts(vs) == {("a", "h200", "x"): ELSEWHERE, ("k25", "8x-rtx-pro-6000", "tok_s"): ELSEWHERE}
+    assert {v.detail for v in vs} == {"profile h200, this machine is cpu", "reported, never re-run"}
+    assert all(v.age.endswith("d") or v.age.endswith("h") or v.age.endswith("m") for v in vs)
+    assert verify(root, "cpu", profile="h200", progress=False, log=lambda m: None)[0].recorded == 227.0
+    assert exit_code(vs) == 0
