@@ -52,9 +52,7 @@ def _hardware(profile: str, run: dict) -> str:
 
 
 def _date(value) -> str:
-    if isinstance(value, dt.datetime):
-        return value.strftime("%Y-%m-%d %H:%M")
-    return str(value or "")[:16].replace("T", " ")
+    return records.parse_date(value).strftime("%Y-%m-%d %H:%M") if value else ""
 
 
 def record_rows(root: Path | str) -> list[Row]:
@@ -109,16 +107,18 @@ def history_svg(rows: list[Row]) -> str:
     return buf.getvalue()
 
 
+ARROWS = {"higher": "\u2191", "lower": "\u2193", "none": "="}  # which way is better; "=" any change is drift
+
+
 def _table(rows: list[Row]) -> str:
-    head = ("<tr><th>metric</th><th>value</th><th>unit</th><th>better</th><th>tolerance</th><th>verdict</th>"
-            "<th>source</th><th>recorded</th></tr>")
+    head = "<tr><th>metric</th><th>value</th><th>unit</th><th>tolerance</th><th>verdict</th><th>recorded</th></tr>"
     body = []
     for r in rows:
         tol = ", ".join(f"{k} {v:g}" for k, v in r.tolerance.items() if v) or "exact"
         body.append(f'<tr><td>{r.metric}</td><td class="value" data-record="{r.key}">{format_number(r.value)}</td>'
-                    f"<td>{html.escape(r.unit)}</td><td>{r.direction}</td><td>{tol}</td><td>{badge(r.verdict)}</td>"
-                    f"<td>{r.source}</td><td>{r.date}</td></tr>")
-    return f'<table class="records">\n{head}\n' + "\n".join(body) + "\n</table>"
+                    f'<td>{html.escape(r.unit)} <span title="better: {r.direction}">{ARROWS.get(r.direction, "")}'
+                    f"</span></td><td>{tol}</td><td>{badge(r.verdict)}</td><td>{r.date} ({r.source})</td></tr>")
+    return f"<table>\n<thead>{head}</thead>\n<tbody>\n" + "\n".join(body) + "\n</tbody>\n</table>"
 
 
 def dashboard(root: Path | str) -> tuple[str, dict[str, str]]:
