@@ -1,0 +1,139 @@
+"""`python -m engine`: every bad input of issue 2 is one line on stderr, exit code 2, no traceback."""
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from engine.__main__ import cli
+from engine.loading import random_model, save_model
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, list(args))
+
+
+def assert_bad_input(result, *words: str) -> None:
+    assert result.exit_code == 2, (result.exit_code, result.output, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    save_model(random_model("tiny"), d)
+    return d
+
+
+def copy_dir(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_generate_from_a_directory_prints_text_and_speed(model_dir):
+    r = run("generate", "--target", str(model_dir), "--prompt-ids", "1,2,3", "--max-new-tokens", "5")
+    assert r.exit_code == 0, r.stderr
+    assert "5 tokens (length)" in r.stderr and "tok/s" in r.stderr and "ms/token" in r.stderr
+
+
+def test_generate_json_matches_the_python_api(model_dir):
+    from engine.runtime import Engine
+
+    r = run("generate", "--target", str(model_dir), "--prompt", "hi", "--max-new-tokens", "6", "--json")
+    assert r.exit_code == 0, r.stderr
+    out = json.loads(r.stdout)
+    expect = Engine.load(target=str(model_dir)).generate(list(b"hi"), 6).token_ids
+    assert out["token_ids"] == expect and out["prompt_len"] == 2 and out["tok_s"] > 0
+
+
+def test_bench_json_on_the_tiny_shape():
+    r = run("bench", "--shape", "tiny", "--prompt-len", "4", "--new-tokens", "4", "--repeats", "1",
+            "--sizes", "1,2", "--no-peer", "--no-eager", "--max-seq-len", "32", "--json")
+    assert r.exit_code == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out["forward_ms"]["eager"]) == {"1", "2"} and out["decode"]["graph"]["tok_s"] > 0
+    assert out["peer_tok_s"] is None
+
+
+def test_directory_without_config(tmp_path):
+    assert_bad_input(run("generate", "--target", str(tmp_path), "--prompt", "x"), "no config.json")
+
+
+def test_directory_without_weights(tmp_path, model_dir):
+    (tmp_path / "config.json").write_text((model_dir / "config.json").read_text())
+    assert_bad_input(run("generate", "--target", str(tmp_path), "--prompt", "x"), "no *.safetensors")
+
+
+def test_unsupported_architecture(tmp_path, model_dir):
+    d = copy_dir(model_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    assert_bad_input(run("generate", "--target", str(d), "--prompt", "x"), "unsupported model_type", "gpt2")
+
+
+def test_weights_that_do_not_fit_the_config(tmp_path, model_dir):
+    d = copy_dir(model_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 96}))
+    assert_bad_input(run("generate", "--target", str(d), "--prompt", "x"), "shape", "config implies")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "corrupt"])
+def test_truncated_or_corrupt_safetensors(tmp_path, model_dir, damage):
+    d = copy_dir(model_dir, tmp_path / "m")
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\xff" * 16 + data[16:])
+    assert_bad_input(run("generate", "--target", str(d), "--prompt", "x"), "model.safetensors", "unreadable")
+
+
+def test_prompt_longer_than_the_cache():
+    ids = ",".join(str(i) for i in range(40))
+    assert_bad_input(run("generate", "--shape", "tiny", "--prompt-ids", ids, "--max-seq-len", "32"),
+                     "40 tokens", "32")
+
+
+@pytest.mark.parametrize("n", ["0", "-4"])
+def test_non_positive_token_count(n):
+    assert_bad_input(run("generate", "--shape", "tiny", "--prompt", "x", "--max-new-tokens", n), "positive")
+
+
+def test_unknown_shape_suggests_the_closest():
+    assert_bad_input(run("generate", "--shape", "llama-3.1-8", "--prompt", "x"), "unknown shape",
+                     "did you mean llama-3.1-8b")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_device_cuda_without_gpu():
+    assert_bad_input(run("generate", "--shape", "tiny", "--prompt", "x", "--device", "cuda"), "no CUDA GPU")
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--prompt", "x"], ["--target", "--shape"]),
+    (["--shape", "tiny"], ["--prompt"]),
+    (["--shape", "tiny", "--prompt-ids", "1,x"], ["--prompt-ids"]),
+    (["--shape", "tiny", "--prompt", "x", "--max-new-tokens", "many"], ["--max-new-tokens"]),
+    (["--shape", "tiny", "--prompt", "x", "--dtype", "int3"], ["unknown dtype"]),
+    (["--shape", "tiny", "--prompt", "x", "--temperature", "-1"], ["temperature"]),
+    (["--shape", "tiny", "--prompt", "x", "--bogus"], ["--bogus"]),
+])
+def test_bad_options_are_one_line(args, words):
+    assert_bad_input(run("generate", *args), *words)
+
+
+def test_debug_shows_the_exception_instead():
+    r = run("generate", "--shape", "tiny", "--prompt", "x", "--max-new-tokens", "0", "--debug")
+    assert r.exit_code != 0 and type(r.exception).__name__ == "EngineError"
+
+
+def test_help_explains_the_commands():
+    r = run("--help")
+    assert r.exit_code == 0 and "generate" in r.stdout and "bench" in r.stdout and "Exit codes" in r.stdout
+    r = run("generate", "--help")
+    assert r.exit_code == 0 and "--max-new-tokens" in r.stdout and "--drafter" in r.stdout

@@ -1,0 +1,139 @@
+"""Generator, sampling and the runtime facade on CPU (the same code the CUDA graph replays)."""
+import pytest
+import torch
+
+from engine.bench import BenchConfig, run_bench
+from engine.errors import EngineError
+from engine.generate import Generator, cut_at_stop
+from engine.loading import random_model
+from engine.runtime import Engine
+from engine.sampling import SamplingParams, logits_to_probs, sample
+
+PROMPT = [5, 9, 200, 31, 7]
+
+
+@pytest.fixture(scope="module")
+def gen():
+    return Generator(random_model("tiny", seed=1), 96, prefill_chunk=3)
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Full recomputation without a cache: what the cached decode loop must reproduce."""
+    cache_len = model.max_seq_len
+    model.drop_caches()
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            t = int(model(torch.tensor([ids]), torch.arange(len(ids)))[0][0, -1].argmax())
+            ids.append(t)
+            out.append(t)
+    model.setup_caches(cache_len)
+    return out
+
+
+def test_greedy_decode_equals_uncached_recomputation(gen):
+    r = gen.generate(PROMPT, 20)
+    assert r.token_ids == reference_greedy(gen.model, PROMPT, 20)
+    assert r.prompt_len == len(PROMPT) and r.verify_cycles == 19 and r.accept_hist == [0, 19]
+    assert r.accept_length == 1.0 and r.accepted_tokens == 0 and r.finish_reason == "length"
+    assert r.decode_s > 0 and r.tok_s == pytest.approx(19 / r.decode_s)
+
+
+def test_stream_yields_the_same_tokens_one_per_cycle(gen):
+    parts = list(gen.stream(PROMPT, 12))
+    assert all(len(p) == 1 for p in parts)
+    assert [p[0] for p in parts] == gen.generate(PROMPT, 12).token_ids
+
+
+def test_stop_ids_cut_after_the_first_stop(gen):
+    full = gen.generate(PROMPT, 16).token_ids
+    stop = full[5]
+    first = full.index(stop)
+    r = gen.generate(PROMPT, 16, stop_ids=(stop,))
+    assert r.token_ids == full[: first + 1] and r.finish_reason == "stop" and r.verify_cycles == first
+    assert [p[0] for p in gen.stream(PROMPT, 16, stop_ids=(stop,))] == full[: first + 1]
+    assert cut_at_stop([1, 2, 3], (9,)) == ([1, 2, 3], "length")
+
+
+def test_sampling_is_deterministic_per_seed_and_differs_across_seeds(gen):
+    p = SamplingParams(temperature=1.0, top_k=50, top_p=0.95)
+    a = gen.generate(PROMPT, 32, p, seed=7).token_ids
+    assert gen.generate(PROMPT, 32, p, seed=7).token_ids == a
+    assert [t[0] for t in gen.stream(PROMPT, 32, p, seed=7)] == a
+    assert gen.generate(PROMPT, 32, p, seed=8).token_ids != a
+    assert gen.generate(PROMPT, 32).token_ids != a  # greedy is a different path
+
+
+@pytest.mark.parametrize("prompt,n,msg", [
+    ([], 4, "empty"),
+    (PROMPT, 0, "must be positive"),
+    (PROMPT, -3, "must be positive"),
+    (list(range(96)), 1, "cache holds 96"),
+    (list(range(90)), 7, "exceeds the cache"),
+    ([1, 512], 4, "outside the vocabulary"),
+    ([-1], 4, "outside the vocabulary"),
+])
+def test_bad_lengths_and_ids_raise_one_line_engine_errors(gen, prompt, n, msg):
+    with pytest.raises(EngineError, match=msg) as e:
+        gen.generate(prompt, n)
+    assert "\n" not in str(e.value)
+
+
+def test_prompt_plus_tokens_may_fill_the_cache_exactly(gen):
+    assert len(gen.generate(list(range(90)), 6).token_ids) == 6
+
+
+def test_top_k_keeps_exactly_the_k_largest():
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.5, 0.0, 2.9]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=3))
+    assert set(torch.nonzero(probs[0]).flatten().tolist()) == {1, 3, 5}
+    assert probs.sum().item() == pytest.approx(1.0)
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
+    out = logits_to_probs(probs.log(), SamplingParams(temperature=1.0, top_p=0.7))
+    assert out[0].tolist() == pytest.approx([0.0, 0.5 / 0.8, 0.0, 0.3 / 0.8])
+
+
+def test_sampling_frequencies_follow_the_masked_distribution():
+    logits = torch.tensor([0.0, 1.0, 2.0, -5.0, 1.5]).log_softmax(-1).repeat(20000, 1)
+    p = SamplingParams(temperature=1.0, top_k=3)
+    torch.manual_seed(0)
+    counts = torch.bincount(sample(logits, p), minlength=5).float() / 20000
+    expect = logits_to_probs(logits[:1], p)[0]
+    assert counts[0] == 0 and counts[3] == 0
+    assert (counts - expect).abs().max().item() < 0.02
+
+
+def test_engine_facade_streams_chunks_and_generates():
+    eng = Engine.load(shape="tiny", max_seq_len=64, seed=3)
+    assert eng.tokenizer is None and eng.vocab_size == 512 and eng.max_seq_len == 64 and not eng.speculative
+    ids = eng.encode("héllo")
+    assert ids == list("héllo".encode()) and eng.decode(ids) == "héllo"
+    r = eng.generate(ids, 10)
+    chunks = list(eng.stream(ids, 10))
+    assert [c.token_ids[0] for c in chunks] == r.token_ids
+    assert [c.verify_cycles for c in chunks] == [0] + [1] * 9
+    assert [c.finish_reason for c in chunks] == [None] * 9 + ["length"]
+    stopped = list(eng.stream(ids, 10, stop_ids=[r.token_ids[2]]))
+    assert stopped[-1].finish_reason == "stop" and len(stopped) <= 3
+    with pytest.raises(EngineError, match="top_p"):
+        eng.generate(ids, 4, temperature=1.0, top_p=0.0)
+    with pytest.raises(EngineError, match="exactly one"):
+        Engine.load(max_seq_len=64)
+
+
+def test_bench_reports_consistent_numbers_on_cpu():
+    eng = Engine.load(shape="tiny", max_seq_len=64)
+    r = run_bench(eng, BenchConfig(prompt_len=8, new_tokens=8, repeats=1, sizes=(1, 8)))
+    assert not r.graphs and set(r.decode) == {"graph", "eager"} and set(r.forward_ms) == {"eager"}
+    for d in r.decode.values():
+        assert d.tok_s > 0 and d.ms_per_token == pytest.approx(1000 / d.tok_s)
+        assert d.bw_util == pytest.approx(r.weight_bytes * d.tok_s / (r.copy_gb_s * 1e9))
+    assert r.copy_gb_s > 0 and r.peer_tok_s > 0 and r.peer_ratio == pytest.approx(r.decode["graph"].tok_s /
+                                                                                   r.peer_tok_s)
+    assert r.t8_over_t1 == pytest.approx(r.forward_ms["eager"][8] / r.forward_ms["eager"][1])
+    assert r.to_dict()["peer_ratio"] == r.peer_ratio
+    with pytest.raises(EngineError, match="max-seq-len"):
+        run_bench(eng, BenchConfig(prompt_len=60, new_tokens=8, peer=False))
