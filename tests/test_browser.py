@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -67,9 +68,13 @@ def test_navigation(page, base_url):
 def test_search_finds_the_findings_page(page, base_url):
     page.goto(base_url)
     page.locator("label.md-search__icon, .md-search__input").first.click()
-    page.locator("input.md-search__input").fill("CUDA graph")
-    results = page.locator(".md-search-result__list a")
-    results.first.wait_for()
+    box, results = page.locator("input.md-search__input"), page.locator(".md-search-result__list a")
+    # the index loads in a web worker; a query typed before it is ready finds nothing, so type again until it is
+    deadline = time.monotonic() + 60
+    while results.count() == 0 and time.monotonic() < deadline:
+        box.fill("")
+        box.type("CUDA graph")
+        page.wait_for_timeout(1000)
     hrefs = [results.nth(i).get_attribute("href") for i in range(results.count())]
     assert any("findings/" in h for h in hrefs), hrefs
 
