@@ -51,8 +51,9 @@ cuda_graph_max_bs: int | None = None
 port = 30000
 nccl_env: dict = {}  # e.g. {"NCCL_P2P_LEVEL": "SYS"}: passed to the server process, recorded with the run
 extra_args: list = []  # more server flags, e.g. ["--mem-fraction-static", "0.85"]
-baseline_url = "http://127.0.0.1:30000"  # backend=http only
-eagle3_url = "http://127.0.0.1:30001"  # backend=http only
+# backend=http only: servers already running, without and with the drafter
+baseline_url = "http://127.0.0.1:30000"
+eagle3_url = "http://127.0.0.1:30001"
 requests = 16
 concurrency = 1
 max_tokens = 256
@@ -60,7 +61,6 @@ startup_timeout_s = 3600.0
 outputs_dir: str | None = None
 
 # %%
-import asyncio
 import importlib.util
 import json
 import sys
@@ -68,7 +68,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from engine.backends.base import LaunchConfig, SpecSettings
-from engine.backends.client import format_table, run_benchmark
+from engine.backends.client import benchmark, format_table
 from engine.backends.sglang import SGLangServer
 from engine.backends.vllm import VLLMServer
 from specbook import record
@@ -111,11 +111,11 @@ def serving(with_drafter: bool):
 def measure(with_drafter: bool):
     with serving(with_drafter) as url:
         run = dict(requests=requests, concurrency=concurrency, max_tokens=max_tokens, temperature=0.0)
-        asyncio.run(run_benchmark(url, requests=2, max_tokens=16))  # warm-up: graphs, caches, first-call costs
-        summary = asyncio.run(run_benchmark(url, **run))
+        benchmark(url, requests=2, max_tokens=16)  # warm-up: graphs, caches, first-call costs
+        summary = benchmark(url, **run)
         if with_drafter and summary.accept_length is None:
             # Some servers put meta_info only in non-streamed answers: ask again without streaming.
-            again = asyncio.run(run_benchmark(url, stream=False, **run))
+            again = benchmark(url, stream=False, **run)
             summary.accept_length, summary.accept_source = again.accept_length, again.accept_source
     print(format_table(summary))
     if summary.failed or summary.decode_tok_s is None:

@@ -7,6 +7,7 @@ counters over the run. `python -m engine.backends.client --url http://127.0.0.1:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import sys
@@ -201,6 +202,16 @@ async def run_benchmark(url: str, prompts: list[str] | tuple[str, ...] = DEFAULT
     return summarize(url, results, concurrency, duration, before, after)
 
 
+def benchmark(url: str, prompts: list[str] | tuple[str, ...] = DEFAULT_PROMPTS, **kw: Any) -> BenchSummary:
+    """run_benchmark from synchronous code, also where an event loop already runs (a Jupyter kernel)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(run_benchmark(url, prompts, **kw))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, run_benchmark(url, prompts, **kw)).result()
+
+
 def summarize(url: str, results: list[RequestResult], concurrency: int, duration: float,
               before: vllm.SpecCounters | None = None, after: vllm.SpecCounters | None = None) -> BenchSummary:
     ok = [r for r in results if r.ok]
@@ -275,10 +286,10 @@ def main(url: str, model: str | None, prompts_path: str | None, requests: int, c
          as_json: bool, debug: bool) -> None:
     """Benchmark an OpenAI-compatible endpoint. Exit code 1 when any request failed, 2 on bad input."""
     try:
-        summary = asyncio.run(run_benchmark(
+        summary = benchmark(
             url, load_prompts(prompts_path), requests=requests, concurrency=concurrency, max_tokens=max_tokens,
             temperature=temperature, chat=chat, stream=stream, ignore_eos=ignore_eos, model=model, api_key=api_key,
-            timeout_s=timeout_s))
+            timeout_s=timeout_s)
     except EngineError as e:
         if debug:
             raise
