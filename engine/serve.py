@@ -15,6 +15,7 @@ import asyncio
 import hmac
 import json
 import queue
+import random
 import socket
 import sys
 import threading
@@ -50,32 +51,45 @@ class ServeConfig:
 # ----------------------------------------------------------------------------------------------- text <-> ids
 
 class Detokenizer:
-    """Incremental text of a growing id list; holds back text that may still become a stop string."""
+    """Incremental text of a growing id list; holds back text that may still become a stop string.
+
+    Each step decodes only a window: the ids since the last clean boundary, with the ids before them as a prefix
+    so that tokenizers which merge across tokens (leading spaces, byte fallback) decode as in one piece.
+    """
 
     def __init__(self, decode: Callable[[list[int]], str], stops: list[str]):
         self.decode, self.stops = decode, stops
         self.ids: list[int] = []
+        self.prefix_at = self.read_at = 0  # ids[prefix_at:read_at] is the context of the next window
+        self.text = ""  # decoded so far
         self.sent = 0  # characters already emitted
         self.hold = max((len(s) for s in stops), default=1) - 1
 
     def add(self, ids: list[int]) -> tuple[str, bool]:
         """New text safe to emit, and whether a stop string was reached (text is cut before it)."""
         self.ids += ids
-        text = self.decode(self.ids)
-        cut = min((i for i in (text.find(s, max(self.sent - self.hold, 0)) for s in self.stops) if i >= 0),
-                  default=-1)
+        self._decode(final=False)
+        start = max(self.sent - self.hold, 0)
+        cut = min((i for i in (self.text.find(s, start) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
-            return self._emit(text[:cut]), True
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
-            return "", False
-        return self._emit(text[: len(text) - self.hold]), False
+            return self._emit(cut), True
+        return self._emit(len(self.text) - self.hold), False
 
     def flush(self) -> str:
-        return self._emit(self.decode(self.ids))
+        self._decode(final=True)
+        return self._emit(len(self.text))
 
-    def _emit(self, text: str) -> str:
-        new = text[self.sent:]
-        self.sent = max(self.sent, len(text))
+    def _decode(self, final: bool) -> None:
+        prefix = self.decode(self.ids[self.prefix_at:self.read_at])
+        full = self.decode(self.ids[self.prefix_at:])
+        # An incomplete multi-byte character decodes to U+FFFD: wait for the rest unless the answer is over.
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
+            self.text += full[len(prefix):]
+            self.prefix_at, self.read_at = self.read_at, len(self.ids)
+
+    def _emit(self, end: int) -> str:
+        new = self.text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
         return new
 
 
@@ -378,7 +392,7 @@ class Server:
             raise HTTPException(400, f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the cache "
                                      f"of {self.eng.max_seq_len} tokens")
         return dict(max_new_tokens=max_tokens, temperature=req.temperature, top_k=max(req.top_k, 0),
-                    top_p=req.top_p, seed=req.seed if req.seed is not None else 0,
+                    top_p=req.top_p, seed=req.seed if req.seed is not None else random.getrandbits(31),
                     stop_ids=() if req.ignore_eos else tuple(self.eng.eos_ids))
 
     def submit(self, ids: list[int], params: dict[str, Any]) -> Job:
@@ -557,8 +571,9 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Ite
 @click.option("--shape", default=None, help="Named random-weight shape instead of --target (e.g. tiny).")
 @click.option("--drafter", default=None, help="EAGLE-3 drafter directory; without it the target decodes alone.")
 @click.option("--device", default=None, help="cuda when available, else cpu.")
-@click.option("--dtype", default="bfloat16", show_default=True)
-@click.option("--max-seq-len", default=4096, show_default=True, type=click.IntRange(min=16), help="Cache length.")
+@click.option("--dtype", default=None, help="float32 | bfloat16 | float16 [default: bf16 on cuda, fp32 on cpu].")
+@click.option("--max-seq-len", default=2048, show_default=True, type=click.IntRange(min=2),
+              help="KV-cache length: prompt + max_tokens must fit.")
 @click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True)
 @click.option("--steps", default=7, show_default=True, type=click.IntRange(min=1), help="Draft steps per cycle.")
 @click.option("--topk", default=1, show_default=True, type=click.IntRange(min=1), help="1: chain; > 1: tree.")
@@ -574,7 +589,7 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Ite
 @click.option("--queue-size", default=64, show_default=True, type=click.IntRange(min=1),
               help="Requests waiting behind the running one; beyond it: 429.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
-def serve_command(target: str | None, shape: str | None, drafter: str | None, device: str | None, dtype: str,
+def serve_command(target: str | None, shape: str | None, drafter: str | None, device: str | None, dtype: str | None,
                   max_seq_len: int, cuda_graphs: bool, steps: int, topk: int, draft_tokens: int | None,
                   eager_verify: bool, host: str,
                   port: int, api_key: str | None, model_name: str, max_body_bytes: int,
@@ -586,6 +601,7 @@ def serve_command(target: str | None, shape: str | None, drafter: str | None, de
     from engine.runtime import Engine
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
 
     try:
         eng = Engine.load(target=target, shape=shape, drafter=drafter, device=device, dtype=dtype,

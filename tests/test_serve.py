@@ -109,6 +109,14 @@ def test_detokenizer_holds_back_partial_stop():
     assert d.add([ord("D"), ord("x")]) == ("", True)  # "EN" was never sent: the text ends before "END"
 
 
+def test_detokenizer_waits_for_whole_characters():
+    d = Detokenizer(lambda ids: bytes(ids).decode(errors="replace"), [])
+    assert d.add([0xC3]) == ("", False)  # first byte of "é"
+    assert d.add([0xA9, ord("!")]) == ("é!", False)
+    assert d.add([0xE2, 0x82]) == ("", False)  # two of the three bytes of "€", then the answer ends
+    assert d.flush() == "\ufffd"
+
+
 def test_chat_template_default_and_checkpoint(tmp_path):
     msgs = [{"role": "user", "content": "hi"}]
     assert render_chat(msgs, None) == "<|user|>\nhi\n<|assistant|>\n"
