@@ -1,20 +1,16 @@
 """The built site in a real browser: headless Chromium (OS package) driven by Playwright over loopback HTTP."""
 import functools
 import http.server
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from specbook import records
+from docs_testing import build_site
 
 pytestmark = pytest.mark.browser
 CHROMIUM = Path("/usr/bin/chromium")
-ROOT = Path(__file__).resolve().parents[1]
 # without the networking flags Chromium keeps trying to reach the outside
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -30,12 +26,14 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory):
+def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("site")
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(out)], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    return out, build_site(out)
+
+
+@pytest.fixture(scope="module")
+def base_url(built):
+    out = built[0]
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(out)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -79,12 +77,11 @@ def test_search_finds_the_findings_page(page, base_url):
     assert any("findings/" in h for h in hrefs), hrefs
 
 
-def test_dashboard_numbers_equal_the_records(page, base_url):
+def test_dashboard_numbers_equal_the_records(page, base_url, built):
     page.goto(base_url + "dashboard/")
     cells = page.locator("td.value[data-record]")
     shown = {cells.nth(i).get_attribute("data-record"): cells.nth(i).inner_text() for i in range(cells.count())}
-    expected = {f"{rb}/{pf}/{m}": e["value"] for rb, rf in records.load_all(ROOT).items()
-                for pf, prof in rf.data["profiles"].items() for m, e in prof["metrics"].items()}
+    expected = built[1]
     assert expected and set(shown) == set(expected)
     for key, value in expected.items():
         assert float(shown[key]) == pytest.approx(value, rel=1e-5), key

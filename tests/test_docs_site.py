@@ -1,56 +1,43 @@
 """The MkDocs site (strict build), its generated dashboard and llms.txt, and `runbook context`."""
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+from docs_testing import ROOT, build_site
 from specbook import records, site
 from specbook.cli import main
 from specbook.context import build_context, tokens
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def recorded_values(root: Path) -> dict[str, float]:
-    return {f"{rb}/{pf}/{m}": e["value"] for rb, rf in records.load_all(root).items()
-            for pf, prof in rf.data["profiles"].items() for m, e in prof["metrics"].items()}
-
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> Path:
+def built(tmp_path_factory) -> tuple[Path, dict[str, float]]:
     out = tmp_path_factory.mktemp("site")
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(out)], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return out
+    return out, build_site(out)
 
 
 def test_dashboard_shows_every_record(built):
-    page = (built / "dashboard" / "index.html").read_text()
+    site_dir, values = built
+    page = (site_dir / "dashboard" / "index.html").read_text()
     shown = dict(re.findall(r'data-record="([^"]+)">([^<]+)<', page))
-    values = recorded_values(ROOT)
     assert values and set(shown) == set(values)
     for key, value in values.items():
         assert float(shown[key]) == pytest.approx(value, rel=1e-5), key
     assert "verdict-not-verifiable-here" in page and "8x NVIDIA RTX PRO 6000" in page
     for svg in re.findall(r'src="([^"]+\.svg)"', page):
-        assert (built / "dashboard" / svg).read_text().lstrip().startswith("<?xml")
+        assert (site_dir / "dashboard" / svg).read_text().lstrip().startswith("<?xml")
 
 
 def test_reported_numbers_carry_an_admonition(built):
-    page = (built / "findings" / "index.html").read_text()
+    page = (built[0] / "findings" / "index.html").read_text()
     assert 'class="admonition info"' in page and "not verifiable here" in page
     assert '<span class="claim" title="baseline-k25-sglang/8x-rtx-pro-6000/baseline_tok_s' in page
 
 
 def test_llms_txt_lists_every_page(built):
-    index = (built / "llms.txt").read_text()
-    full = (built / "llms-full.txt").read_text()
+    index = (built[0] / "llms.txt").read_text()
+    full = (built[0] / "llms-full.txt").read_text()
     for page in ("findings/", "decisions/", "game-plan/", "glossary/", "runbooks/"):
         assert f"]({page})" in index
     assert "Abandon the CUDA-graph verify path" in full and "# Baselines dashboard" in full
