@@ -361,6 +361,15 @@ class Generation:
                 "total_tokens": self.prompt_tokens + self.tokens}
 
 
+async def cancel_on_disconnect(request: Request, job: Job, poll_s: float = 0.2) -> None:
+    """A non-streaming client that hangs up (e.g. its timeout) should not keep the engine busy."""
+    while not job.cancelled.is_set():
+        if await request.is_disconnected():
+            job.cancelled.set()
+            return
+        await asyncio.sleep(poll_s)
+
+
 class Server:
     def __init__(self, eng: Any, cfg: ServeConfig, chat_template: str | None = None):
         self.eng, self.cfg, self.chat_template = eng, cfg, chat_template
@@ -404,7 +413,8 @@ class Server:
         return job
 
     # ---- responses
-    async def complete(self, req: SamplingRequest, ids: list[int], max_tokens: int | None, chat: bool):
+    async def complete(self, request: Request, req: SamplingRequest, ids: list[int], max_tokens: int | None,
+                       chat: bool):
         params = self.job_params(req, len(ids), max_tokens)
         job = self.submit(ids, params)
         gen = Generation(len(ids), Detokenizer(self.eng.decode, req.stops()))
@@ -413,6 +423,7 @@ class Server:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(self.sse(job, gen, rid, chat, include_usage), media_type="text/event-stream")
         parts = []
+        watch = asyncio.create_task(cancel_on_disconnect(request, job))
         try:
             async for chunk in job.chunks():
                 parts.append(gen.feed(chunk))
@@ -422,6 +433,7 @@ class Server:
             raise HTTPException(400, str(e))
         finally:
             job.cancelled.set()
+            watch.cancel()
             self.account(gen)
         text = "".join(parts) + gen.finish()
         choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "meta_info": gen.meta_info()}
@@ -506,17 +518,18 @@ class Server:
         auth = [Depends(authorize)]
 
         @app.post("/v1/completions", dependencies=auth)
-        async def completions(req: CompletionRequest):
-            return await self.complete(req, self.prompt_ids(req.prompt), req.max_tokens, chat=False)
+        async def completions(request: Request, req: CompletionRequest):
+            return await self.complete(request, req, self.prompt_ids(req.prompt), req.max_tokens, chat=False)
 
         @app.post("/v1/chat/completions", dependencies=auth)
-        async def chat_completions(req: ChatRequest):
+        async def chat_completions(request: Request, req: ChatRequest):
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
             try:
                 prompt = render_chat(messages, self.chat_template)
             except Exception as e:  # a checkpoint's template may reject a conversation (roles, order)
                 raise HTTPException(400, f"chat template failed: {e}")
-            return await self.complete(req, self.prompt_ids(prompt), req.max_completion_tokens or req.max_tokens,
+            return await self.complete(request, req, self.prompt_ids(prompt),
+                                       req.max_completion_tokens or req.max_tokens,
                                        chat=True)
 
         @app.get("/v1/models", dependencies=auth)

@@ -212,6 +212,15 @@ def test_disconnect_mid_stream_stops_generation(url):
     assert post(url, "/v1/completions", {"prompt": "next", "max_tokens": 4}).json()["usage"]["completion_tokens"] == 4
 
 
+def test_non_streaming_client_timeout_stops_generation(url):
+    before = metric(url, "specbook_generation_tokens_total")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"prompt": "slow", "max_tokens": CACHE - 8, "ignore_eos": True},
+                   headers=AUTH, timeout=0.1)
+    wait_for(url, lambda h: not h["running"] and h["queued"] == 0)
+    assert metric(url, "specbook_generation_tokens_total") - before < CACHE - 8
+
+
 def test_full_queue_answers_429(eng):
     async def scenario(base):
         async with httpx.AsyncClient(base_url=base, timeout=60) as c:
