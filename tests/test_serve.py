@@ -247,3 +247,15 @@ def test_serve_cli_bad_input_is_one_line():
     assert res.stderr.strip().startswith("error: give exactly one of") and len(res.stderr.strip().splitlines()) == 1
     res = CliRunner().invoke(serve_command, ["--shape", "no-such-shape", "--device", "cpu"])
     assert res.exit_code == 2 and "unknown shape" in res.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_serve_on_cuda_with_graphs():
+    gpu = Engine.load(shape="tiny", device="cuda", dtype="bfloat16", max_seq_len=512, cuda_graphs=True)
+    want = gpu.decode(gpu.generate(gpu.encode("gpu"), 16).token_ids)
+    with serve_in_thread(create_app(gpu)) as base:  # the worker thread captures and replays the graphs
+        r = httpx.post(base + "/v1/completions", json={"prompt": "gpu", "max_tokens": 16, "temperature": 0})
+        assert r.json()["choices"][0]["text"] == want
+        s = asyncio.run(run_benchmark(base, requests=20, concurrency=10, max_tokens=32))
+        assert (s.ok, s.completion_tokens) == (20, 640)
