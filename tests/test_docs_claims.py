@@ -199,3 +199,14 @@ def test_malformed_record_is_reported_at_the_claim(root):
     page(root, "<!-- claim: bench/cpu/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s\n")
     [msg] = messages(root)
     assert msg.startswith("docs/p.md:8: ") and "bench.yaml:" in msg and "malformed YAML" in msg
+
+
+def test_runbook_verify_docs_fails_with_file_and_line(root):
+    from click.testing import CliRunner
+
+    from specbook.cli import main
+
+    (root / "runbooks").mkdir()
+    page(root, "[gone](missing.md)\n")
+    r = CliRunner().invoke(main, ["--root", str(root), "verify", "--docs", "bench"])
+    assert r.exit_code == 1 and "docs: docs/p.md:8: broken link: missing.md" in r.stdout
