@@ -111,7 +111,11 @@ def list_(obj: Ctx, as_json: bool) -> None:
             states[v.runbook][v.profile] = v.verdict
     items = []
     for name in discover(root):
-        rb = load(root, name)
+        try:
+            rb = load(root, name)
+        except SpecbookError as e:  # one broken runbook must not hide the others
+            items.append({"name": name, "title": f"invalid: {e}", "profiles": [], "depends": [], "records": {}})
+            continue
         items.append({"name": name, "title": rb.title, "profiles": list(rb.profiles), "depends": rb.depends,
                       "records": states.get(name, {})})
     rows = [[i["name"], ",".join(i["profiles"]), ",".join(i["depends"]) or "-",
@@ -281,7 +285,6 @@ def env(obj: Ctx, as_json: bool) -> None:
     _emit(as_json, fp, "\n".join(lines))
 
 
-
 @main.command()
 @click.option("--budget", type=click.IntRange(min=1), default=2000, show_default=True, metavar="TOKENS",
               help="Most tokens the pack may take (estimated at 4 characters a token).")
@@ -291,6 +294,7 @@ def context(obj: Ctx, budget: int) -> None:
     from specbook.context import build_context
 
     click.echo(build_context(obj.root, budget), nl=False)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -203,3 +203,33 @@ def test_sigkill_mid_run_leaves_the_record_untouched(tmp_path):
     assert (root / "baselines" / "bench.yaml").read_bytes() == before
     assert _runbook_cmd(root, "run", "bench", "-p", "value=3.0").wait(timeout=60) == 0  # no stale lock blocks it
     assert [p["metrics"]["x"]["value"] for p in baseline(root, "bench")["profiles"].values()] == [3.0]
+
+
+def test_list_survives_a_broken_runbook(tmp_path):
+    root = make_repo(tmp_path, good=runbook_text(), broken="# %%\nx = 1\n")
+    r = cli(root, "list", "--json")
+    assert r.exit_code == 0
+    assert {i["name"]: i["title"].startswith("invalid:") for i in json.loads(r.stdout)} == {
+        "broken": True, "good": False}
+
+
+def test_verify_docs_problems_exit_1(tmp_path, monkeypatch):
+    from specbook import claims
+
+    root = make_repo(tmp_path)
+    monkeypatch.setattr(claims, "check_docs", lambda root: ["docs/x.md:3: claim a/cpu/x: literal '1' != record '2'"])
+    r = cli(root, "verify", "--docs")
+    assert r.exit_code == 1 and "docs/x.md:3: claim a/cpu/x" in r.stdout
+    monkeypatch.setattr(claims, "check_docs", lambda root: [])
+    assert cli(root, "verify", "--docs").exit_code == 0
+
+
+def test_kernel_runs_this_interpreter():
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    from specbook.execute import _runs_here, ensure_kernel
+
+    name = ensure_kernel()
+    assert ensure_kernel() == name  # idempotent
+    assert _runs_here(KernelSpecManager().get_kernel_spec(name).argv)
+    assert not _runs_here(["/usr/bin/python2.7", "-m", "ipykernel_launcher"])

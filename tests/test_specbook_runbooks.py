@@ -147,3 +147,15 @@ def test_fingerprint_sees_env_and_sitecustomize(tmp_path, monkeypatch):
     before = fp["engine_hash"]
     (root / "engine" / "a.py").write_text("x = 2\n")
     assert provenance.engine_hash(root) != before
+
+
+@pytest.mark.gpu
+def test_gpu_profile_and_fingerprint():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    provenance.gpus.cache_clear()
+    assert provenance.detect_profile() != "cpu"
+    fp = provenance.fingerprint(Path.cwd())
+    assert fp["gpu"]["count"] == torch.cuda.device_count() and fp["versions"]["cuda"] == torch.version.cuda
+    assert fp["gpu"]["names"] and fp["gpu"]["driver"]
