@@ -62,11 +62,26 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
         if self.cache is not None:
             k, v = self.cache.update(slots, k, v)  # [B, Hkv, S, D]
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=None if mask is None else mask[None, None],
-            is_causal=mask is None, enable_gqa=self.n_kv != self.n_heads,
-        )
+        y = grouped_attention(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [B, H, T, D], k/v [B, Hkv, S, D], mask [T, S] bool (None: causal) -> [B, H, T, Dv].
+
+    Each KV head's query heads are stacked along the query axis, so plain SDPA computes GQA and its fused kernels
+    (memory-efficient, cuDNN) accept the mask: with enable_gqa and a mask only the math kernel runs on CUDA, and it
+    materialises the repeated K/V of the whole cache in every layer of every decode step."""
+    B, H, T, D = q.shape
+    kv = k.shape[1]
+    rep = H // kv
+    if rep == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[None, None],
+                                              is_causal=mask is None)
+    if mask is None:
+        mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=q.device).tril()
+    y = F.scaled_dot_product_attention(q.reshape(B, kv, rep * T, D), k, v, attn_mask=mask.repeat(rep, 1)[None, None])
+    return y.view(B, H, T, v.shape[-1])  # row r*T + t of KV head j is query head j*rep + r at token t
 
 
 class MLP(nn.Module):
