@@ -5,8 +5,8 @@ A claim is written literally between two HTML comments, so raw Markdown shows th
     <!-- claim: baseline-decode/h200/decode_tok_s fmt=.0f -->227<!-- /claim -->
 
 `fmt` is a Python format spec for the record's value, or `range:SPEC` for the low and high of its samples
-("82-83"; just the value when the record has no samples). Numbers that look measured (tok/s, ms, speedups, accept length) must stand in a claim; numbers that come
-from elsewhere (a paper, a goal) are wrapped in a citation instead:
+("82-83"; just the value when the record has no samples). Numbers that look measured (tok/s, ms, speedups, accept
+length) must stand in a claim; numbers that come from elsewhere (a paper, a goal) are wrapped in a citation instead:
 
     <!-- cite: EAGLE-3 paper, table 1 -->4.40x<!-- /cite -->
 """
@@ -28,7 +28,7 @@ FRONT_MATTER_KEYS = ("title", "status", "updated", "runbooks", "records")
 # Pages the site generates at build time (specbook.site): links to them are not broken.
 GENERATED_PAGES = frozenset({"dashboard.md", "llms.txt", "llms-full.txt"})
 # Verdicts that make a documented number untrustworthy; "not verifiable here" is shown, not failed.
-FAILING_VERDICTS = frozenset({"stale", "drifted", "failed"})
+FAILING_VERDICTS = frozenset({verify.STALE, verify.DRIFTED, verify.FAILED})
 
 KEY = r"[A-Za-z0-9_.-]+"
 CLAIM_RE = re.compile(
@@ -236,7 +236,7 @@ def _masked_markers(text: str) -> str:
     return masked
 
 
-def check_claim(root: Path, claim: Claim, cache: dict, verdicts: bool = True) -> list[Problem]:
+def check_claim(root: Path, claim: Claim, cache: dict) -> list[Problem]:
     metric = find_metric(root, claim.runbook, claim.profile, claim.metric, cache)
     if metric is None:
         return [Problem(claim.file, claim.line, f"claim {claim.key}: no such record in baselines/")]
@@ -244,15 +244,14 @@ def check_claim(root: Path, claim: Claim, cache: dict, verdicts: bool = True) ->
     if claim.literal != expected:
         return [Problem(claim.file, claim.line,
                         f"claim {claim.key}: literal {claim.literal!r} != record {expected!r} (run `runbook run`)")]
-    if verdicts:
-        verdict = record_verdict(root, claim.runbook, claim.profile, claim.metric, cache)
-        if verdict in FAILING_VERDICTS:
-            return [Problem(claim.file, claim.line,
-                            f"claim {claim.key}: record is {verdict} (`runbook verify {claim.runbook}`)")]
+    verdict = record_verdict(root, claim.runbook, claim.profile, claim.metric, cache)
+    if verdict in FAILING_VERDICTS:
+        return [Problem(claim.file, claim.line,
+                        f"claim {claim.key}: record is {verdict} (`runbook verify {claim.runbook}`)")]
     return []
 
 
-def check_docs(root: Path | str, verdicts: bool = True) -> list[Problem]:
+def check_docs(root: Path | str) -> list[Problem]:
     """Every problem of the docs, each with file and line; empty when the docs are true."""
     root = Path(root)
     problems, cache = [], {}
@@ -265,7 +264,7 @@ def check_docs(root: Path | str, verdicts: bool = True) -> list[Problem]:
         problems += bad
         for claim in claims:
             try:
-                problems += check_claim(root, claim, cache, verdicts)
+                problems += check_claim(root, claim, cache)
             except SpecbookError as e:  # a malformed record file: still reported at the claim that needs it
                 problems.append(Problem(claim.file, claim.line, str(e)))
         problems += _check_links(text, path, root, file)
