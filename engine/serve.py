@@ -107,13 +107,25 @@ def load_chat_template(target: str | None) -> str | None:
     return None
 
 
-def render_chat(messages: list[dict[str, str]], template: str | None) -> str:
-    if template is None:
-        return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+def compile_chat_template(source: str | None) -> Any:
+    """A sandboxed Jinja template (as transformers renders them), or None for the built-in format."""
+    if source is None:
+        return None
+    from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    def raise_exception(message: str) -> None:  # HF templates call it to reject a conversation
+        raise TemplateError(message)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(template).render(messages=messages, add_generation_prompt=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)
+
+
+def render_chat(messages: list[dict[str, str]], template: Any = None) -> str:
+    if template is None:
+        return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+    return template.render(messages=messages, add_generation_prompt=True)
 
 
 # ------------------------------------------------------------------------------------------------ requests
@@ -226,9 +238,8 @@ class Worker:
             job.emit(_END)
 
     def _generate(self, job: Job) -> None:
-        stream = None
+        stream = self.eng.stream(job.prompt_ids, **job.params)  # a generator: runs only when iterated
         try:
-            stream = self.eng.stream(job.prompt_ids, **job.params)
             for chunk in stream:
                 job.emit(chunk)
                 if job.cancelled.is_set():
@@ -236,8 +247,7 @@ class Worker:
         except Exception as e:  # reported to the request that caused it; the worker keeps serving
             job.emit(e)
         finally:
-            if stream is not None and hasattr(stream, "close"):
-                stream.close()
+            stream.close()
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -372,7 +382,8 @@ async def cancel_on_disconnect(request: Request, job: Job, poll_s: float = 0.2) 
 
 class Server:
     def __init__(self, eng: Any, cfg: ServeConfig, chat_template: str | None = None):
-        self.eng, self.cfg, self.chat_template = eng, cfg, chat_template
+        self.eng, self.cfg = eng, cfg
+        self.chat_template = compile_chat_template(chat_template)
         self.max_prompt = min(cfg.max_prompt_tokens or eng.max_seq_len, eng.max_seq_len - 1)
         self.worker = Worker(eng, cfg.queue_size)
         self.metrics = Metrics(self.worker)

@@ -10,8 +10,8 @@ from click.testing import CliRunner
 
 from engine.backends.client import run_benchmark
 from engine.runtime import Engine
-from engine.serve import Detokenizer, ServeConfig, create_app, load_chat_template, render_chat, serve_command, \
-    serve_in_thread
+from engine.serve import Detokenizer, ServeConfig, compile_chat_template, create_app, load_chat_template, \
+    render_chat, serve_command, serve_in_thread
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -123,8 +123,12 @@ def test_chat_template_default_and_checkpoint(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
                           "{% if add_generation_prompt %}[assistant]{% endif %}"}))
-    assert render_chat(msgs, load_chat_template(str(tmp_path))) == "[user]hi[assistant]"
+    assert render_chat(msgs, compile_chat_template(load_chat_template(str(tmp_path)))) == "[user]hi[assistant]"
     assert load_chat_template(None) is None
+    strict = compile_chat_template("{% if messages[0].role != 'system' %}{{ raise_exception('system first') }}"
+                                   "{% endif %}")
+    with pytest.raises(Exception, match="system first"):
+        render_chat(msgs, strict)
 
 
 def test_client_against_server(url):
