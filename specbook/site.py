@@ -7,7 +7,6 @@ mkdocs.yml names this file under `hooks:`, so `mkdocs build` adds, without writi
 """
 from __future__ import annotations
 
-import datetime as dt
 import html
 import io
 import re
@@ -17,7 +16,7 @@ from pathlib import Path
 from specbook import claims, records, verify
 from specbook.execute import EXECUTED
 
-VERDICT_ADMONITION = {"not verifiable here": "info", "stale": "warning", "drifted": "danger", "failed": "danger"}
+VERDICT_ADMONITION = {verify.ELSEWHERE: "info", verify.STALE: "warning", verify.DRIFTED: "danger", verify.FAILED: "danger"}
 
 
 @dataclass
@@ -141,7 +140,7 @@ def dashboard(root: Path | str) -> tuple[str, dict[str, str]]:
         verdicts = sorted({r.verdict for r in group if r.verdict in VERDICT_ADMONITION})
         for v in verdicts:
             why = ("reported from hardware this project cannot reach, or recorded on another hardware profile"
-                   if v == "not verifiable here" else f"re-run `runbook verify {runbook}`")
+                   if v == verify.ELSEWHERE else f"re-run `runbook verify {runbook}`")
             out += [f'!!! {VERDICT_ADMONITION[v]} "{v.capitalize()}"', f"    Numbers marked *{v}*: {why}.", ""]
         notebook = EXECUTED / f"{runbook}-{profile}.ipynb"  # where `runbook run` keeps the executed notebook
         if (root / notebook).is_file():
