@@ -16,7 +16,8 @@ from pathlib import Path
 from specbook import claims, records, verify
 from specbook.execute import EXECUTED
 
-VERDICT_ADMONITION = {verify.ELSEWHERE: "info", verify.STALE: "warning", verify.DRIFTED: "danger", verify.FAILED: "danger"}
+VERDICT_ADMONITION = {verify.ELSEWHERE: "info", verify.STALE: "warning", verify.DRIFTED: "danger",
+                      verify.FAILED: "danger"}
 
 
 @dataclass
