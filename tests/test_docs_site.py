@@ -1,5 +1,9 @@
 """The MkDocs site (strict build), its generated dashboard and llms.txt, and `runbook context`."""
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,3 +77,17 @@ def test_context_command():
     assert r.exit_code == 0 and tokens(r.stdout) <= 300 and r.stdout.startswith("# specbook context")
     r = runner.invoke(main, ["--root", str(ROOT), "context", "--budget", "5"])
     assert r.exit_code == 2 and "too small" in r.stderr
+
+
+def test_site_builds_without_executed_notebooks(tmp_path):
+    """A fresh checkout has no executed notebooks yet (the folder may be missing or empty)."""
+    shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("executed"))
+    shutil.copytree(ROOT / "baselines", tmp_path / "baselines")
+    config = (ROOT / "mkdocs.yml").read_text().replace("- specbook/site.py", f"- {ROOT / 'specbook' / 'site.py'}")
+    (tmp_path / "mkdocs.yml").write_text(config)
+    (tmp_path / "docs" / "runbooks" / "executed").mkdir()
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
+                       cwd=tmp_path, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Executed notebook" not in (tmp_path / "site" / "dashboard" / "index.html").read_text()
