@@ -20,6 +20,15 @@ transformers = pytest.importorskip("transformers")
 TOL = 1e-4
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models on a shared 2-core machine: intra-op threads only contend (30x slower measured)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def tiny(**over) -> ModelConfig:
     """3 layers (the first dense), 16 experts in 4 groups, 3 routed + 1 shared; rms_norm_eps differs from the
     latent norms' fixed 1e-6 so that mixing them up shows. Decode (N=1) takes the gather path, prefill the
