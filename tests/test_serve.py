@@ -93,6 +93,28 @@ def test_chat_stream_equals_non_stream(url):
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 20
 
 
+def test_speculative_meta_info_matches_engine(tmp_path):
+    import torch
+
+    from engine.config import shape_config
+    from engine.drafter import new_drafter, save_drafter
+
+    save_drafter(new_drafter(shape_config("tiny"), torch.arange(256)), tmp_path / "drafter")
+    spec = Engine.load(shape="tiny", drafter=str(tmp_path / "drafter"), device="cpu", dtype="float32",
+                       max_seq_len=64, cuda_graphs=False, steps=2)
+    want = spec.generate(spec.encode("spec"), 6)
+    with serve_in_thread(create_app(spec)) as base:
+        body = {"prompt": "spec", "max_tokens": 6, "temperature": 0}
+        plain = httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+        streamed = sse_events(httpx.post(base + "/v1/completions", json=body | {"stream": True}, timeout=60).text)
+    final = [json.loads(e)["choices"][0] for e in streamed[:-1]][-1]
+    for choice in (plain, final):
+        meta = choice["meta_info"]
+        assert (meta["spec_verify_ct"], meta["spec_accept_token_num"]) == (want.verify_cycles, want.accepted_tokens)
+        assert meta["spec_accept_length"] == pytest.approx(want.accept_length)
+    assert plain["text"] == spec.decode(want.token_ids)
+
+
 def test_stop_string_cuts_text(url):
     full = post(url, "/v1/completions", {"prompt": "xyz", "max_tokens": 30, "temperature": 0}).json()
     text = full["choices"][0]["text"]
