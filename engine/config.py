@@ -179,7 +179,16 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960),
-    # DeepSeek-V3 family. The mini keeps DeepSeek's head dims, latent rank and routing (8 groups, 4 chosen)
+    # DeepSeek-V3 family. The tiny one runs on CPU in seconds (grouped routing, a dense first layer, YaRN).
+    "deepseek-v3-tiny": dict(model_type="deepseek_v3", vocab_size=4096, hidden_size=256, intermediate_size=768,
+                             num_hidden_layers=4, num_attention_heads=4, q_lora_rank=128, kv_lora_rank=64,
+                             qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16,
+                             num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=128,
+                             first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=4, topk_group=2,
+                             rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=8192,
+                             rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=2048,
+                                               beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+    # The mini keeps DeepSeek's head dims, latent rank and routing (8 groups, 4 chosen)
     # with DeepSeek-V2-Lite's width and expert count, so one H200 holds it and the kernels see real shapes.
     "deepseek-v3-mini": dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=2048,
                              intermediate_size=10944, num_hidden_layers=12, num_attention_heads=16,
