@@ -104,13 +104,13 @@ def execute(root: Path, rb: Runbook, params: dict[str, Any], notebook: Path, pro
 
     where = f"(partly executed notebook: {notebook})"
     logging.getLogger("papermill").setLevel(logging.WARNING)  # its INFO lines repeat the progress bar
+    quiet_kernel = ["--IPKernelApp.log_level=CRITICAL"]  # its TCP warning and shutdown noise are not about the runbook
     try:
         with _environ({RECORD_FILE_ENV: str(records)}):
             papermill.execute_notebook(nb, str(notebook), parameters=params, kernel_name=ensure_kernel(),
                                        language="python", cwd=str(root), progress_bar=progress,
                                        execution_timeout=rb.cell_timeout, timeout_func=cell_timeout,
-                                       # the kernel's own log (TCP warning, shutdown noise) says nothing about the runbook
-                                       extra_arguments=["--IPKernelApp.log_level=CRITICAL"])
+                                       extra_arguments=quiet_kernel)
     except PapermillExecutionError as e:
         raise RunFailed(f"runbook {rb.name}: {_cell(rb, nb, e.source)} raised {e.ename}: {e.evalue} {where}") from None
     except CellTimeoutError:
