@@ -61,55 +61,33 @@ startup_timeout_s = 3600.0
 outputs_dir: str | None = None
 
 # %%
+import dataclasses
 import importlib.util
 import json
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
-from engine.backends.base import LaunchConfig, SpecSettings
+from engine.backends import BACKENDS, SERVERS, LaunchConfig, SpecSettings, serving
 from engine.backends.client import benchmark, format_table
-from engine.backends.sglang import SGLangServer
-from engine.backends.vllm import VLLMServer
 from specbook import record
 
-BACKENDS = ("bundled", "http", "sglang", "vllm")
 if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-if backend in ("sglang", "vllm") and importlib.util.find_spec(backend) is None:
+if backend in SERVERS and importlib.util.find_spec(backend) is None:
     raise RuntimeError(f"{backend} is not installed in this environment; this runbook needs the K2.5 server")
-spec = SpecSettings(steps=steps, topk=topk, draft_tokens=draft_tokens)
+base_cfg = LaunchConfig(model=target, spec=SpecSettings(steps=steps, topk=topk, draft_tokens=draft_tokens), tp=tp,
+                        cuda_graphs=cuda_graphs, cuda_graph_max_bs=cuda_graph_max_bs, port=port,
+                        env={k: str(v) for k, v in nccl_env.items()}, extra_args=tuple(extra_args),
+                        python=sys.executable, startup_timeout_s=startup_timeout_s)
 out = Path(outputs_dir) if outputs_dir else None
 
 
-@contextmanager
-def serving(with_drafter: bool):
-    """Base URL of a server for one phase, stopped afterwards."""
-    if backend == "http":
-        yield eagle3_url if with_drafter else baseline_url
-        return
-    if backend == "bundled":
-        from engine.runtime import Engine
-        from engine.serve import create_app, serve_in_thread
-
-        eng = Engine.load(target=target, shape=None, drafter=drafter if with_drafter else None, device="cuda",
-                          dtype="bfloat16", max_seq_len=4096, cuda_graphs=cuda_graphs, steps=steps, topk=topk,
-                          draft_tokens=draft_tokens)
-        with serve_in_thread(create_app(eng)) as url:
-            yield url
-        return
-    cfg = LaunchConfig(model=target, drafter=drafter if with_drafter else None, spec=spec, tp=tp,
-                       cuda_graphs=cuda_graphs, cuda_graph_max_bs=cuda_graph_max_bs, port=port,
-                       env={k: str(v) for k, v in nccl_env.items()}, extra_args=tuple(extra_args),
-                       python=sys.executable, startup_timeout_s=startup_timeout_s)
-    server = {"sglang": SGLangServer, "vllm": VLLMServer}[backend](cfg)
-    print(" ".join(server.command()))
-    with server:
-        yield server.base_url
-
-
 def measure(with_drafter: bool):
-    with serving(with_drafter) as url:
+    cfg = dataclasses.replace(base_cfg, drafter=drafter if with_drafter else None)
+    if backend in SERVERS:
+        print(" ".join(SERVERS[backend](cfg).command()))
+    url = eagle3_url if with_drafter else baseline_url
+    with serving(backend, cfg, url, device="cuda", dtype="bfloat16", max_seq_len=4096) as url:
         run = dict(requests=requests, concurrency=concurrency, max_tokens=max_tokens, temperature=0.0)
         benchmark(url, requests=2, max_tokens=16)  # warm-up: graphs, caches, first-call costs
         summary = benchmark(url, **run)

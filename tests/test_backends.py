@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from engine.backends import sglang, vllm
+from engine.backends import serving, sglang, vllm
 from engine.backends.base import LaunchConfig, ServerProcess, SpecSettings
 from engine.backends.client import RequestResult, summarize
 from engine.errors import EngineError
@@ -167,3 +167,23 @@ def test_server_process_health_timeout_then_kill(tmp_path):
     with pytest.raises(EngineError, match="not healthy after"):
         server.wait_healthy(timeout=0.5, poll=0.1)
     assert server.stop(grace=0.5) == -9  # SIGTERM ignored: killed
+
+
+def test_serving_http_and_bad_backends():
+    with serving("http", LaunchConfig(model="-"), "http://10.0.0.1:8000") as url:
+        assert url == "http://10.0.0.1:8000"
+    with pytest.raises(EngineError, match="needs the URL"), serving("http", LaunchConfig(model="-")):
+        pass
+    with pytest.raises(EngineError, match="unknown backend 'tgi'"), serving("tgi", LaunchConfig(model="-")):
+        pass
+
+
+def test_serving_bundled_target_directory(tmp_path):
+    from engine.backends.client import benchmark
+    from engine.loading import random_model, save_model
+
+    save_model(random_model("tiny"), tmp_path / "tiny")
+    cfg = LaunchConfig(model=str(tmp_path / "tiny"), cuda_graphs=False)
+    with serving("bundled", cfg, device="cpu", dtype="float32", max_seq_len=128) as url:
+        s = benchmark(url, requests=3, concurrency=3, max_tokens=4)
+    assert (s.ok, s.completion_tokens, s.accept_length) == (3, 12, 1.0)

@@ -58,10 +58,7 @@ class ServerProcess:
 
     def __init__(self, cfg: LaunchConfig, log_path: str | Path | None = None):
         self.cfg = cfg
-        if log_path is None:
-            fd, log_path = tempfile.mkstemp(prefix=f"{type(self).__name__}-", suffix=".log")
-            os.close(fd)
-        self.log_path = Path(log_path)
+        self.log_path = Path(log_path) if log_path else None  # default: a new temporary file at start()
         self.proc: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
@@ -77,6 +74,10 @@ class ServerProcess:
     def start(self) -> "ServerProcess":
         if self.proc is not None:
             raise EngineError(f"{type(self).__name__} already started")
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"{type(self).__name__}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
         with open(self.log_path, "wb") as log:
             # A new session: tensor-parallel workers are children of the launcher; stop() signals them all.
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
