@@ -28,8 +28,9 @@ class BenchConfig:
     sizes: tuple[int, ...] = SIZES  # token counts T of the forward-cost sweep
     eager: bool = True  # also time the decode without CUDA graphs
     peer: bool = True  # also time transformers' generate (static cache)
-    compile: bool = False  # torch.compile the decode step's forward inside our graph
+    compile: bool = False  # also time the decode with its forward through torch.compile, inside our graph
     seed: int = 0
+    profile: bool = False  # also profile eager decode steps: where a step's time goes, kernel by kernel
 
     def resolve(self, device: torch.device) -> "BenchConfig":
         cuda = device.type == "cuda"
@@ -56,10 +57,11 @@ class BenchResult:
     new_tokens: int
     weight_bytes: int  # read per decode token
     copy_gb_s: float  # device copy bandwidth, read + write bytes per second / 1e9
-    decode: dict[str, DecodeStat] = field(default_factory=dict)  # "graph", "eager", "speculative"
+    decode: dict[str, DecodeStat] = field(default_factory=dict)  # "graph", "compiled", "eager", "speculative"
     forward_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # "graph" / "eager" -> T -> ms
     peer_tok_s: float | None = None  # transformers generate, static cache, greedy
     spec: dict | None = None  # speculative settings when a drafter was given
+    profile: str | None = None  # torch.profiler table of eager decode steps
 
     @property
     def t8_over_t1(self) -> float | None:
@@ -157,6 +159,23 @@ def peer_tok_s(model, prompt: list[int], new_tokens: int, repeats: int) -> float
     return (new_tokens - 1) / max(full - one, 1e-9)
 
 
+def profile_decode(model, max_seq_len: int, prompt: list[int], steps: int = 16, rows: int = 25) -> str:
+    """Kernel-level table of `steps` eager decode steps, sorted by self device time. The graph replays the same
+    kernels; what it removes is the launch gaps between them, so the table shows what fusion could still win."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.sampling import SamplingParams
+
+    cuda = model.device.type == "cuda"
+    step, _, _ = Generator(model, max_seq_len, cuda_graphs=False).begin(prompt, steps + 1, SamplingParams(), 0)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(steps):
+            step()
+        sync(model.device)
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return f"{steps} eager decode steps\n" + prof.key_averages().table(sort_by=sort, row_limit=rows)
+
+
 def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
     """`eng` is a runtime.Engine; its model is benchmarked, and its decoder too when it is speculative."""
     model = eng.model
@@ -173,7 +192,9 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
                       weight_bytes=model.weight_bytes(), copy_gb_s=copy_bandwidth(device))
     prompt = prompt_ids(model.cfg.vocab_size, cfg.prompt_len, cfg.seed)
     stat = lambda dec: decode_stat(dec, prompt, cfg, res.weight_bytes, res.copy_gb_s)  # noqa: E731
-    res.decode["graph"] = stat(Generator(model, eng.max_seq_len, cuda_graphs=True, compile=cfg.compile))
+    res.decode["graph"] = stat(Generator(model, eng.max_seq_len, cuda_graphs=True))
+    if cfg.compile:
+        res.decode["compiled"] = stat(Generator(model, eng.max_seq_len, cuda_graphs=True, compile=True))
     if cfg.eager:
         res.decode["eager"] = stat(Generator(model, eng.max_seq_len, cuda_graphs=False))
     res.forward_ms["graph" if graphs else "eager"] = forward_costs(model, cfg.prompt_len, cfg.sizes, graphs)
@@ -182,6 +203,8 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
     if eng.speculative:
         res.decode["speculative"] = stat(eng.decoder)
         res.spec = {k: getattr(eng.decoder, k, None) for k in ("steps", "topk", "draft_tokens", "eager_verify")}
+    if cfg.profile:
+        res.profile = profile_decode(model, eng.max_seq_len, prompt)
     if cfg.peer:
         res.peer_tok_s = peer_tok_s(model, prompt, cfg.new_tokens, cfg.repeats)
     return res
@@ -207,4 +230,6 @@ def format_table(r: BenchResult) -> str:
         lines.append(f"{name:<12}" + "".join(f"{f[t]:>9.3f}" for t in sizes))
     if r.t8_over_t1 is not None:
         lines.append(f"T=8 / T=1 forward cost: {r.t8_over_t1:.2f}x")
+    if r.profile:
+        lines += ["", r.profile]
     return "\n".join(lines)

@@ -163,9 +163,10 @@ class Generator:
         return self._calls[sampling]
 
     @torch.no_grad()
-    def _start(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams, seed: int
+    def begin(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams, seed: int
                ) -> tuple[CapturedCall, int, float]:
-        """Capture (once), seed, prefill, and load the decode buffers; returns the step, prompt length, prefill s."""
+        """Capture (once), seed, prefill and load the decode buffers. Returns the decode step (a call without
+        arguments that samples the next token into `state.out`), the prompt length and the prefill seconds."""
         ids = prompt_tensor(prompt_ids, self.model.cfg.vocab_size, self.device)
         L = ids.shape[1]
         check_lengths(L, max_new_tokens, self.max_seq_len)
@@ -187,7 +188,7 @@ class Generator:
                  stop_ids: Sequence[int] = (), seed: int = 0, timed_phases: bool = False) -> GenerationResult:
         """The whole decode loop on the device and one host sync at the end; stop ids are applied afterwards,
         so the loop always runs max_new_tokens steps (decode_s includes any steps after a stop)."""
-        step, L, prefill_s = self._start(prompt_ids, max_new_tokens, sampling, seed)
+        step, L, prefill_s = self.begin(prompt_ids, max_new_tokens, sampling, seed)
         t0 = time.perf_counter()
         for _ in range(max_new_tokens - 1):
             step()
@@ -203,7 +204,7 @@ class Generator:
                stop_ids: Sequence[int] = (), seed: int = 0, timed_phases: bool = False) -> Iterator[list[int]]:
         """Yields the prefill's token, then each decode step's token (one host sync per step); ends after a stop
         id or max_new_tokens."""
-        step, _, _ = self._start(prompt_ids, max_new_tokens, sampling, seed)
+        step, _, _ = self.begin(prompt_ids, max_new_tokens, sampling, seed)
         stops = set(stop_ids)
         token = self.state.token
         for i in range(max_new_tokens):

@@ -8,6 +8,8 @@ from click.testing import CliRunner
 from engine.__main__ import cli
 from engine.loading import random_model, save_model
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def run(*args: str):
     return CliRunner().invoke(cli, list(args))

@@ -10,6 +10,7 @@ from engine.runtime import Engine
 from engine.sampling import SamplingParams, logits_to_probs, sample
 
 PROMPT = [5, 9, 200, 31, 7]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from engine.generate import Generator
 from engine.loading import load_model, random_model, save_model
 
 TOL = 1e-4
+pytestmark = pytest.mark.usefixtures("one_thread")
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=256)
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
