@@ -24,12 +24,21 @@ def _windows(stream: torch.Tensor, starts: torch.Tensor, length: int) -> torch.T
     return stream[starts[:, None] + torch.arange(length)[None, :]]
 
 
-def batch_at(stream: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
-    """[batch_size, seq_len + 1] random windows (inputs and shifted labels) for this step."""
-    if stream.numel() <= seq_len + 1:
+def batch_at(stream: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int, pool: int | None = None
+             ) -> torch.Tensor:
+    """[batch_size, seq_len + 1] random windows (inputs and shifted labels) for this step. With `pool`, windows
+    are drawn from that many fixed windows (a data set of `pool` samples) instead of anywhere in the stream."""
+    n = stream.numel() - seq_len - 1
+    if n <= 0:
         raise EngineError(f"corpus too small: {stream.numel()} tokens for windows of {seq_len + 1}")
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, stream.numel() - seq_len - 1, (batch_size,), generator=g)
+    if pool is None:
+        starts = torch.randint(0, n, (batch_size,), generator=g)
+    else:
+        if pool <= 0:
+            raise EngineError(f"the number of training samples must be positive, got {pool}")
+        fixed = torch.randint(0, n, (pool,), generator=torch.Generator().manual_seed(seed))
+        starts = fixed[torch.randint(0, pool, (batch_size,), generator=g)]
     return _windows(stream, starts, seq_len + 1)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,8 +19,8 @@ from engine.loading import load_model, random_model, read_config, resolve_dtype,
 from engine.model import Transformer
 from engine.train import corpus, loop
 from engine.train.data import batch_at, eval_batches, token_stream
-from engine.train.presets import TargetRun
-from engine.train.tokenizer import load_tokenizer, save_tokenizer, tokenizer_hash
+from engine.train.presets import Preset, TargetRun, target_config
+from engine.train.tokenizer import eos_id, load_tokenizer, save_tokenizer, tokenizer_hash, train_tokenizer
 
 
 @dataclass
@@ -119,3 +120,30 @@ def _result(out: Path, cfg: ModelConfig, log: loop.TrainLog) -> TargetResult:
     with torch.device("meta"):
         count = n_params(Transformer(cfg))
     return TargetResult(out, count, log.final_loss, log.evals[-1]["val_loss"], log)
+
+
+def ensure_tokenizer(out_dir: str | Path, vocab_size: int, text_bytes: int) -> Path:
+    """The shared tokenizer of both targets, trained on both mixes' train splits (reused when already there)."""
+    out = Path(out_dir)
+    params = {"vocab_size": vocab_size, "text_bytes": text_bytes, "corpus": corpus.manifest_hash()}
+    stamp = out / "tokenizer-params.json"
+    if (out / "tokenizer.json").is_file() and stamp.is_file() and json.loads(stamp.read_text()) == params:
+        return out
+    texts = corpus.texts("A", "train", text_bytes // 2) + corpus.texts("B", "train", text_bytes // 2)
+    save_tokenizer(train_tokenizer(texts, vocab_size), out)
+    loop.atomic_write(stamp, lambda tmp: tmp.write_text(json.dumps(params) + "\n"))
+    return out
+
+
+def train_targets(out_dir: str | Path, preset: Preset, family: str = "llama", device: str | None = None,
+                  a: TargetRun | None = None, b: TargetRun | None = None) -> tuple[TargetResult, TargetResult]:
+    """tokenizer/, target-a/ (from scratch on mix A) and target-b/ (A trained further on mix B) under out_dir."""
+    out = Path(out_dir)
+    device = device or preset.device
+    tok_dir = ensure_tokenizer(out / "tokenizer", preset.vocab_size, preset.tokenizer_bytes)
+    eos = eos_id(load_tokenizer(tok_dir))
+    cfg = target_config(preset, family, eos_id=eos)
+    ra = train_target(out / "target-a", a or preset.target_a, tok_dir, cfg, device=device, save_dtype=preset.dtype)
+    rb = train_target(out / "target-b", b or preset.target_b, tok_dir, init_from=ra.path, device=device,
+                      save_dtype=preset.dtype)
+    return ra, rb

@@ -1,0 +1,87 @@
+"""`python -m engine train corpus | targets | drafter`: the miniature K2 -> K2.5 world from the command line.
+Errors are EngineErrors: engine/__main__.py prints them as one line and exits 2."""
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.group("train")
+def train_command() -> None:
+    """Train the miniature world: tokenizer, targets A and B, EAGLE-3 drafters (resumable after a kill)."""
+
+
+def preset_option(f):
+    return click.option("--preset", default="cpu", show_default=True,
+                        help="Training preset: cpu (minutes on 2 cores) or gpu (one H200).")(f)
+
+
+def device_option(f):
+    return click.option("--device", default=None, help="cpu or cuda [default: the preset's].")(f)
+
+
+@train_command.command("corpus")
+def corpus_cmd() -> None:
+    """Files and bytes per group and split of this machine's corpus, and its manifest hash."""
+    from engine.train import corpus
+
+    for key, row in corpus.stats().items():
+        click.echo(f"{key:22s} {row['files']:7d} files {row['bytes'] / 1e6:9.1f} MB")
+    click.echo(f"manifest_hash {corpus.manifest_hash()}")
+
+
+@train_command.command("targets")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@preset_option
+@device_option
+@click.option("--family", default="llama", show_default=True, help="Target family: llama or deepseek_v3.")
+@click.option("--steps-a", type=int, default=None, help="Override target A's optimizer steps.")
+@click.option("--steps-b", type=int, default=None, help="Override target B's optimizer steps.")
+def targets_cmd(out_dir: str, preset: str, device: str | None, family: str, steps_a: int | None,
+                steps_b: int | None) -> None:
+    """Tokenizer, target A (mix A) and target B (A trained further on mix B) under OUT_DIR."""
+    from engine.train.presets import get_preset, with_overrides
+    from engine.train.target import train_targets
+
+    p = get_preset(preset)
+    a, b = train_targets(out_dir, p, family, device, with_overrides(p.target_a, steps=steps_a),
+                         with_overrides(p.target_b, steps=steps_b))
+    for name, r in (("target-a", a), ("target-b", b)):
+        click.echo(json.dumps({"model": name, "path": str(r.path), "params": r.n_params,
+                               "final_loss": round(r.final_loss, 4), "val_loss": round(r.val_loss, 4)}))
+
+
+@train_command.command("drafter")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--target", "target_dir", required=True, type=click.Path(file_okay=False),
+              help="The target's HF directory (with tokenizer.json).")
+@preset_option
+@device_option
+@click.option("--init-from", type=click.Path(file_okay=False), default=None,
+              help="Fine-tune this EAGLE-3 drafter instead of starting from scratch (approach A).")
+@click.option("--mix", default=None, help="Corpus mix: A or B [default: the preset's].")
+@click.option("--steps", type=int, default=None, help="Override the optimizer steps.")
+@click.option("--max-samples", type=int, default=None, help="Train on this many fixed windows (approach B).")
+@click.option("--eval-prompts", type=int, default=None,
+              help="Measure accept length (greedy chain, 7 steps) on this many held-out prompts at the end.")
+def drafter_cmd(out_dir: str, target_dir: str, preset: str, device: str | None, init_from: str | None,
+                mix: str | None, steps: int | None, max_samples: int | None, eval_prompts: int | None) -> None:
+    """Train an EAGLE-3 drafter for TARGET into OUT_DIR (published format)."""
+    from engine.train.drafter import accept_length, prompt_ids, train_drafter
+    from engine.train.presets import get_preset, with_overrides
+    from engine.train.tokenizer import load_tokenizer
+
+    p = get_preset(preset)
+    run = with_overrides(p.finetune if init_from else p.drafter, steps=steps, mix=mix)
+    r = train_drafter(out_dir, run, target_dir, init_from, device or p.device, p.dtype, max_samples)
+    row = {"path": str(r.path), "final_loss": round(r.final_loss, 4), "step_acc": [round(a, 3) for a in r.step_acc]}
+    if eval_prompts:
+        from engine.drafter import load_drafter
+        from engine.loading import load_model
+
+        target = load_model(target_dir, device=device or p.device, dtype=p.dtype)
+        prompts = prompt_ids(load_tokenizer(target_dir), eval_prompts, p.prompt_chars, run.mix)
+        row["accept_length"] = round(accept_length(target, load_drafter(out_dir, target), prompts, 7,
+                                                   p.max_new_tokens), 4)
+    click.echo(json.dumps(row))

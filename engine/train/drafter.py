@@ -1,0 +1,242 @@
+"""EAGLE-3 drafter training on a frozen target: training-time test (TTT), draft vocabulary from token frequencies,
+hidden states generated online, published-format output (engine.drafter.save_drafter).
+
+Training-time test unrolls the draft layer `ttt_steps` times over a whole sequence at once. Step j (0-based) at base
+position t mirrors draft step j+1 at inference: its hidden input is fc(target features at t) for j = 0, else the
+draft layer's own pre-norm output of step j-1 at base t; its token is x_{t+j+1}; its RoPE position is t+j. It
+attends to step-0 keys at bases <= t (the context the target verified) and to its own chain's keys of steps
+1..j at base t only. The label is the target's next-token distribution at position t+j+1 restricted to the draft
+vocabulary (soft cross-entropy), weighted 0.8**j; positions whose target argmax is outside the draft vocabulary, or
+that run past the sequence, are left out (as SpecForge does).
+
+The unrolled keys are held by `StepKV`, which stands in for the attention module's KV cache (the engine's cache
+interface: `update(slots, k, v) -> all keys and values so far`), so training runs the very Attention code that
+inference runs, with an explicit [T, (j+1)T] mask.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.drafter import Eagle3Drafter, draft_vocab, load_drafter, new_drafter, save_drafter
+from engine.errors import EngineError
+from engine.loading import load_model, read_config, resolve_dtype
+from engine.model import Transformer
+from engine.train import corpus, loop
+from engine.train.data import batch_at, eval_batches, token_stream
+from engine.train.presets import DrafterRun
+from engine.train.target import autocast, file_digest, make_optimizer
+from engine.train.tokenizer import load_tokenizer, save_tokenizer, tokenizer_hash
+
+
+class StepKV:
+    """Keys and values of every unrolled step so far, concatenated along the sequence axis (autograd-friendly)."""
+
+    def __init__(self) -> None:
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+    def update(self, slots, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k.append(k)
+        self.v.append(v)
+        return torch.cat(self.k, dim=2), torch.cat(self.v, dim=2)
+
+
+def ttt_mask(T: int, j: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[T, (j+1)T] bool: step j's query at base t sees step-0 keys at bases <= t and steps 1..j at base t."""
+    base = torch.arange(T, device=device)
+    causal = base[None, :] <= base[:, None]
+    diagonal = base[None, :] == base[:, None]
+    return torch.cat([causal] + [diagonal] * j, dim=1)
+
+
+@contextlib.contextmanager
+def unrolled(drafter: Eagle3Drafter):
+    attn = drafter.midlayer.self_attn
+    if drafter.max_seq_len:
+        raise EngineError("the drafter has inference caches set up; drop_caches() before training")
+    attn.cache = StepKV()
+    try:
+        yield
+    finally:
+        attn.cache = None
+
+
+@dataclass
+class Targets:
+    """What the frozen target says about one batch, restricted to the draft vocabulary."""
+    features: torch.Tensor  # [B, T, 3H] aux hidden states
+    probs: torch.Tensor  # [B, T, Vd] next-token distribution over the draft vocabulary
+    argmax: torch.Tensor  # [B, T] target-vocabulary id of the target's top token
+    in_draft: torch.Tensor  # [B, T] bool: that top token is in the draft vocabulary
+
+
+@torch.no_grad()
+def target_outputs(target: Transformer, drafter: Eagle3Drafter, x: torch.Tensor) -> Targets:
+    logits, aux = target(x, torch.arange(x.shape[1], device=x.device), hidden_layers=drafter.aux_layers)
+    draft_ids = torch.arange(drafter.cfg.draft_vocab_size, device=x.device) + drafter.d2t
+    top = logits.argmax(-1)
+    return Targets(aux, logits[..., draft_ids].float().softmax(-1), top, drafter.t2d[top])
+
+
+def _shift(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t[:, n:] padded at the end back to length T (the padding is masked out)."""
+    pad = [0, 0] * (t.dim() - 2) + [0, n]
+    return F.pad(t[:, n:], pad)
+
+
+def ttt_logits(drafter: Eagle3Drafter, x: torch.Tensor, features: torch.Tensor, steps: int
+               ) -> Iterator[torch.Tensor]:
+    """Draft logits [B, T, Vd] of each unrolled step j = 0..steps-1 over x [B, T] (see the module docstring)."""
+    T = x.shape[1]
+    pos = torch.arange(T, device=x.device)
+    hidden = features
+    with unrolled(drafter):
+        for j in range(steps):
+            logits, hidden = drafter(hidden, _shift(x, j + 1), pos + j, attn_mask=ttt_mask(T, j, x.device))
+            yield logits
+
+
+def ttt_loss(drafter: Eagle3Drafter, x: torch.Tensor, tg: Targets, steps: int, decay: float
+             ) -> tuple[torch.Tensor, list[float]]:
+    """Weighted soft cross-entropy of `steps` unrolled draft steps over x [B, T]; per-step top-1 accuracy."""
+    T = x.shape[1]
+    pos = torch.arange(T, device=x.device)
+    total = x.new_zeros((), dtype=torch.float32)
+    accs: list[float] = []
+    for j, logits in enumerate(ttt_logits(drafter, x, tg.features, steps)):
+        valid = (pos < T - 1 - j)[None, :] & _shift(tg.in_draft, j + 1)  # [B, T]
+        ce = -(_shift(tg.probs, j + 1) * logits.log_softmax(-1)).sum(-1)  # [B, T]
+        n = valid.sum().clamp(min=1)
+        total = total + decay ** j * (ce * valid).sum() / n
+        hit = drafter.draft_to_target(logits.argmax(-1)) == _shift(tg.argmax, j + 1)
+        accs.append(((hit & valid).sum() / n).item())
+    return total, accs
+
+
+@dataclass
+class DrafterResult:
+    path: Path
+    final_loss: float
+    step_acc: list[float]  # top-1 accuracy per unrolled step, mean over the last 5% of training
+    log: loop.TrainLog
+
+
+def check_pair(target_dir: Path, drafter_dir: Path) -> None:
+    """A drafter trained for another tokenizer or vocabulary than the target's: one clear error."""
+    tv = read_config(target_dir).vocab_size
+    dv = json.loads((drafter_dir / "config.json").read_text()).get("vocab_size") \
+        if (drafter_dir / "config.json").is_file() else None
+    if dv is not None and dv != tv:
+        raise EngineError(f"drafter {drafter_dir} has vocab_size {dv}; target {target_dir} has {tv}: "
+                          "they use different vocabularies")
+    th, dh = tokenizer_hash(target_dir), tokenizer_hash(drafter_dir)
+    if th and dh and th != dh:
+        raise EngineError(f"drafter {drafter_dir} was trained with another tokenizer than target {target_dir}")
+
+
+def train_drafter(out_dir: str | Path, run: DrafterRun, target_dir: str | Path, init_from: str | Path | None = None,
+                  device: str = "cpu", save_dtype: str = "float32", max_samples: int | None = None,
+                  eval_fn=None, eval_every: int = 0) -> DrafterResult:
+    """Train a drafter for the target in target_dir (resuming an interrupted run in out_dir). init_from: an
+    existing drafter to fine-tune (approach A); its draft vocabulary is kept. max_samples: draw every batch from
+    that many fixed training windows (approach B's data scale). eval_fn(drafter, target) -> {name: value}."""
+    out, target_dir = Path(out_dir), Path(target_dir)
+    if init_from is not None:
+        check_pair(target_dir, Path(init_from))
+    tok = load_tokenizer(target_dir)
+    params = {"run": dataclasses.asdict(run), "target": file_digest(target_dir / "model.safetensors"),
+              "tokenizer": tokenizer_hash(target_dir), "corpus": corpus.manifest_hash(), "max_samples": max_samples,
+              "init_from": file_digest(Path(init_from) / "model.safetensors") if init_from else None,
+              "save_dtype": save_dtype}
+    dev = torch.device(device)
+    target = load_model(target_dir, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    target.requires_grad_(False)
+    if (log := loop.read_log(out, params)) is not None and (out / "model.safetensors").is_file():
+        return _result(out, log)
+
+    train_ids = token_stream(tok, corpus.texts(run.mix, "train", run.data_bytes))
+    if init_from is not None:
+        drafter = load_drafter(init_from, target, device=dev, dtype=torch.float32)
+    else:
+        counts = torch.bincount(train_ids, minlength=target.cfg.vocab_size)
+        drafter = new_drafter(target.cfg, draft_vocab(counts, run.draft_vocab_size), target.embed_tokens,
+                              seed=run.seed, device=dev)
+    drafter.train()
+    opt = make_optimizer(drafter, run.lr, run.weight_decay)
+    seq = run.seq_len - 1  # batch_at adds one token: windows of seq_len
+
+    def step_fn(step: int):
+        x = batch_at(train_ids, step, run.batch_size, seq, run.seed, pool=max_samples).to(dev)
+        with autocast(dev):
+            loss, accs = ttt_loss(drafter, x, target_outputs(target, drafter, x), run.ttt_steps, run.step_decay)
+        return loss, {f"acc_{j}": a for j, a in enumerate(accs)}
+
+    def evaluate() -> dict[str, float]:
+        drafter.eval()
+        out_ = eval_fn(drafter, target)
+        drafter.train()
+        return out_
+
+    sched = loop.Schedule(run.steps, run.lr, run.warmup, run.min_lr_ratio, run.grad_clip, run.ckpt_every)
+    log = loop.train(out, params, drafter, opt, sched, step_fn, f"drafter {out.name} ({run.mix})",
+                     evaluate if eval_fn else None, eval_every)
+    save_drafter(drafter.eval(), out, dtype=resolve_dtype(save_dtype))
+    save_tokenizer(tok, out)
+    loop.finish(out, log)
+    return _result(out, log)
+
+
+def prompt_ids(tok, n: int, chars: int, mix: str = "A") -> list[list[int]]:
+    """Token ids of the held-out prompts (engine.train.corpus.prompts)."""
+    return [e.ids for e in tok.encode_batch(corpus.prompts(n, chars, mix))]
+
+
+@torch.no_grad()
+def accept_length(target: Transformer, drafter: Eagle3Drafter, prompts: list[list[int]], steps: int = 7,
+                  max_new_tokens: int = 64) -> float:
+    """Greedy chain speculation (topk 1, `steps` draft steps) over the prompts with engine.speculate.SpecDecoder:
+    all decode tokens / all verify cycles, the bonus token included (SGLang's accept length)."""
+    from engine.speculate import SpecDecoder
+
+    max_len = max(len(p) for p in prompts) + max_new_tokens + steps + 2
+    dec = SpecDecoder(target, drafter, max_seq_len=max_len, steps=steps, topk=1, draft_tokens=steps + 1,
+                      cuda_graphs=False)
+    tokens = cycles = 0
+    try:
+        for p in prompts:
+            r = dec.generate(p, max_new_tokens)
+            tokens, cycles = tokens + r.decode_tokens, cycles + r.verify_cycles
+    finally:
+        target.drop_caches()
+        drafter.drop_caches()
+    return tokens / max(cycles, 1)
+
+
+def _result(out: Path, log: loop.TrainLog) -> DrafterResult:
+    h = log.history
+    tail = max(1, len(h["loss"]) // 20)
+    accs = [sum(h[k][-tail:]) / tail for k in sorted((k for k in h if k.startswith("acc_")), key=lambda k: int(k[4:]))]
+    return DrafterResult(out, log.final_loss, accs, log)
+
+
+@torch.no_grad()
+def validation_accuracy(drafter: Eagle3Drafter, target: Transformer, tok, mix: str, run: DrafterRun,
+                        n_batches: int = 4) -> list[float]:
+    """Per-step TTT top-1 accuracy on the validation split: a cheap proxy for accept length."""
+    ids = token_stream(tok, corpus.texts(mix, "validation", max(run.data_bytes // 10, 200_000)))
+    accs = torch.zeros(run.ttt_steps)
+    batches = eval_batches(ids, n_batches, run.batch_size, run.seq_len - 1)
+    for b in batches:
+        b = b.to(drafter.device)
+        with autocast(drafter.device):
+            _, a = ttt_loss(drafter, b, target_outputs(target, drafter, b), run.ttt_steps, run.step_decay)
+        accs += torch.tensor(a)
+    return (accs / len(batches)).tolist()

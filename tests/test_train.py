@@ -1,0 +1,316 @@
+"""engine.train: corpus, tokenizer, resumable training loop, target and drafter training, training-time test.
+
+Everything runs on a synthetic corpus of a few hundred small Python files and models of a few thousand
+parameters, so the whole file takes seconds on 2 CPU cores."""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.config import ModelConfig
+from engine.drafter import new_drafter, save_drafter
+from engine.errors import EngineError
+from engine.loading import load_model, random_model
+from engine.train import corpus, loop
+from engine.train import drafter as D
+from engine.train.presets import CPU, DrafterRun, TargetRun, target_config, with_overrides
+from engine.train.target import train_target
+from engine.train.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+
+SCAN = corpus.scan  # the real scan: the `world` fixture patches corpus.scan for the module
+WORDS = "alpha beta gamma delta value index count total items result node parent child key data".split()
+
+
+def fake_module(rng: random.Random, i: int) -> str:
+    lines = [f'"""Module {i}."""', "import os", ""]
+    for f in range(rng.randint(4, 8)):
+        a, b = rng.sample(WORDS, 2)
+        lines += [f"def {a}_{b}_{f}({a}, {b}=None):", f"    if {b} is None:", f"        {b} = len({a})",
+                  f"    for {rng.choice(WORDS)} in range({b}):", f"        {a} = {a} + {rng.randint(0, 9)}",
+                  f"    return {a}", ""]
+    return "\n".join(lines) + "\n"
+
+
+def make_tree(root: Path, n_std: int = 160, n_pkg: int = 160) -> tuple:
+    rng = random.Random(0)
+    std, pkg = root / "stdlib", root / "site-packages"
+    for base, n in ((std, n_std), (pkg, n_pkg)):
+        for i in range(n):
+            p = base / f"m{i // 20}" / f"f{i}.py"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(fake_module(rng, i))
+    return (("stdlib", (std,)), ("packages", (pkg,)))
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A synthetic corpus patched in as the machine's corpus, a tokenizer, and a briefly trained tiny target."""
+    root = tmp_path_factory.mktemp("world")
+    roots = make_tree(root / "src")
+    mp = pytest.MonkeyPatch()
+    files = corpus.scan(roots)
+    mp.setattr(corpus, "scan", lambda roots=None: files)
+    tok = train_tokenizer(corpus.texts("A", "train", 10**9), 300)
+    tok_dir = save_tokenizer(tok, root / "tok")
+    cfg = tiny_config(tok.get_vocab_size())
+    run = TargetRun(mix="A", steps=40, lr=1e-2, warmup=4, batch_size=8, seq_len=32, data_bytes=10**9,
+                    ckpt_every=10)
+    torch.manual_seed(0)
+    target = train_target(root / "target", run, tok_dir, cfg)
+    yield dict(root=root, roots=roots, tok=tok, tok_dir=tok_dir, cfg=cfg, run=run, target=target)
+    mp.undo()
+
+
+def tiny_config(vocab: int, family: str = "llama") -> ModelConfig:
+    preset = dataclasses.replace(CPU, model=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                                 num_attention_heads=4, num_key_value_heads=2,
+                                                 max_position_embeddings=256, rope_theta=10000.0))
+    return target_config(preset, family, vocab_size=vocab)
+
+
+# ---- corpus -----------------------------------------------------------------------------------------------------
+
+def test_corpus_dedupes_by_content_and_splits_by_hash(tmp_path):
+    roots = make_tree(tmp_path, 40, 40)
+    first = SCAN(roots)
+    dup = tmp_path / "site-packages" / "copy" / "same.py"
+    dup.parent.mkdir()
+    dup.write_text((tmp_path / "stdlib" / "m0" / "f0.py").read_text())
+    (tmp_path / "site-packages" / "tiny.py").write_text("x = 1\n")  # below MIN_FILE_BYTES
+    again = SCAN(roots + (("extra", ()),))  # another cache key: a fresh scan
+    assert [f.digest for f in again] == [f.digest for f in first]  # the copy and the stub add nothing
+    assert len({f.digest for f in first}) == len(first) == 80
+    splits = {f.digest: f.split for f in first}
+    assert set(splits.values()) == {"train", "validation", "test"}
+    # a file's split depends on its content only, not on which other files exist
+    half = SCAN((("stdlib", (tmp_path / "stdlib",)),))
+    assert all(splits[f.digest] == f.split for f in half)
+    assert corpus.manifest_hash(first) != corpus.manifest_hash(half)
+    assert corpus.manifest_hash(first) == corpus.manifest_hash(again)
+
+
+def test_corpus_mixes_differ_and_prompts_come_from_test_files(world):
+    a = corpus.select("A", "train", 60_000)
+    b = corpus.select("B", "train", 60_000)
+    share = lambda fs: sum(f.size for f in fs if f.group == "stdlib") / sum(f.size for f in fs)  # noqa: E731
+    assert share(a) > 0.7 and share(b) < 0.4
+    prompts = corpus.prompts(3, chars=200)
+    test_texts = corpus.texts("A", "test", 10**9)
+    assert len(prompts) == 3 and all(any(p in t for t in test_texts) for p in prompts)
+    assert all(p.endswith("\n") and len(p) <= 200 for p in prompts)
+
+
+def test_empty_corpus_is_a_clear_error(tmp_path):
+    roots = (("stdlib", (tmp_path,)), ("packages", ()))
+    files = SCAN(roots)
+    assert files == ()
+    with pytest.raises(EngineError, match="empty corpus"):
+        corpus.select("A", "train", 1000, files)
+
+
+# ---- tokenizer --------------------------------------------------------------------------------------------------
+
+def test_tokenizer_round_trip_and_transformers_load(world, tmp_path):
+    from transformers import AutoTokenizer
+
+    text = corpus.prompts(1, chars=300)[0] + "    émoji ✓ and tabs\t\n"
+    tok = load_tokenizer(world["tok_dir"])
+    ids = tok.encode(text).ids
+    assert tok.decode(ids) == text
+    assert len(ids) < len(text.encode()) / 1.5  # BPE merges actually compress
+    assert AutoTokenizer.from_pretrained(str(world["tok_dir"]))(text)["input_ids"] == ids
+    with pytest.raises(EngineError, match="empty corpus"):
+        train_tokenizer([], 300)
+
+
+# ---- training ---------------------------------------------------------------------------------------------------
+
+def test_target_training_lowers_loss_and_saves_an_engine_and_hf_checkpoint(world):
+    r = world["target"]
+    loss = r.log.history["loss"]
+    assert sum(loss[-5:]) / 5 < sum(loss[:5]) / 5 - 1.0
+    assert r.val_loss < loss[0]
+    assert not (r.path / loop.STATE).exists() and (r.path / loop.LOG).is_file()
+    model = load_model(r.path)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(r.path)).eval()
+    x = torch.tensor([world["tok"].encode("def alpha_beta_0(alpha):\n").ids])
+    ours, _ = model(x, torch.arange(x.shape[1]))
+    torch.testing.assert_close(ours, hf(x).logits.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_finished_run_is_reused_and_other_parameters_refused(world):
+    w = world
+    again = train_target(w["target"].path, w["run"], w["tok_dir"], w["cfg"])
+    assert again.log.history == w["target"].log.history
+    with pytest.raises(EngineError, match=r"other parameters \(run: .*lr"):
+        train_target(w["target"].path, with_overrides(w["run"], lr=5e-3), w["tok_dir"], w["cfg"])
+
+
+def test_deepseek_family_trains_through_the_same_path(world, tmp_path):
+    pytest.importorskip("engine.deepseek")
+    cfg = tiny_config(world["tok"].get_vocab_size(), "deepseek_v3")
+    run = dataclasses.replace(world["run"], steps=12)
+    r = train_target(tmp_path / "ds", run, world["tok_dir"], cfg)
+    loss = r.log.history["loss"]
+    assert sum(loss[-3:]) < sum(loss[:3])
+    assert load_model(r.path).cfg.model_type == "deepseek_v3"
+
+
+def test_resume_with_other_parameters_is_refused(tmp_path):
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = loop.Schedule(steps=4, lr=0.1, warmup=1, ckpt_every=2)
+    step = lambda s: ((model(torch.ones(2, 4)) ** 2).mean(), {})  # noqa: E731
+    loop.train(tmp_path, {"lr": 0.1}, model, opt, sched, step, "t")
+    assert torch.load(tmp_path / loop.STATE, weights_only=True)["step"] == 2
+    with pytest.raises(EngineError, match=r"other parameters \(lr: 0.1 -> 0.2\)"):
+        loop.train(tmp_path, {"lr": 0.2}, model, opt, sched, step, "t")
+
+
+def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters())
+    log = loop.TrainLog({"p": 1}, {"loss": [1.0]})
+    loop.save_state(tmp_path, 3, model, opt, log)
+    before = (tmp_path / loop.STATE).read_bytes()
+
+    def full_disk(obj, f):
+        Path(f).write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(EngineError, match=r"disk full while writing .*train-state.pt; the previous one is intact"):
+        loop.save_state(tmp_path, 4, model, opt, log)
+    assert (tmp_path / loop.STATE).read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [loop.STATE]
+
+
+RESUME_SCRIPT = """
+import sys, torch
+from pathlib import Path
+from engine.train import corpus
+from engine.train.presets import TargetRun
+from engine.train.target import train_target
+sys.path.insert(0, {tests!r})
+from test_train import tiny_config
+torch.set_num_threads(1)
+files = corpus.scan((("stdlib", (Path({src!r}) / "stdlib",)), ("packages", (Path({src!r}) / "site-packages",))))
+corpus.scan = lambda roots=None: files
+run = TargetRun(mix="A", steps=200, lr=1e-2, warmup=4, batch_size=4, seq_len=32, data_bytes=10**9, ckpt_every=5)
+train_target(sys.argv[1], run, {tok!r}, tiny_config({vocab}))
+"""
+
+
+def test_resume_after_sigkill_ends_in_the_same_state(world, tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(RESUME_SCRIPT.format(tests=str(Path(__file__).parent), src=str(world["root"] / "src"),
+                                           tok=str(world["tok_dir"]), vocab=world["tok"].get_vocab_size()))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = lambda out: [sys.executable, str(script), str(out)]  # noqa: E731
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(cmd(killed), env=env, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (killed / loop.STATE).exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    step = torch.load(killed / loop.STATE, weights_only=True)["step"]
+    assert 0 < step < 200, "the run was not killed mid-way"
+    for out in (killed, tmp_path / "straight"):
+        subprocess.run(cmd(out), env=env, check=True, stderr=subprocess.DEVNULL)
+    a, b = load_file(killed / "model.safetensors"), load_file(tmp_path / "straight" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    logs = [json.loads((d / loop.LOG).read_text())["history"] for d in (killed, tmp_path / "straight")]
+    assert logs[0] == logs[1] and len(logs[0]["loss"]) == 200
+
+
+# ---- drafter: training-time test --------------------------------------------------------------------------------
+
+def test_ttt_mask_on_a_tiny_example():
+    m = D.ttt_mask(3, 2).int().tolist()
+    assert m == [[1, 0, 0, 1, 0, 0, 1, 0, 0],
+                 [1, 1, 0, 0, 1, 0, 0, 1, 0],
+                 [1, 1, 1, 0, 0, 1, 0, 0, 1]]
+
+
+def test_ttt_steps_equal_sequential_drafting_with_the_kv_cache():
+    """Unrolled step j at base t gives exactly the logits the inference path gives for draft step j+1 after
+    extending positions 0..t with target features (tokens teacher-forced)."""
+    torch.manual_seed(0)
+    target = random_model(tiny_config(64), seed=1)
+    drafter = new_drafter(target.cfg, torch.arange(0, 64, 2), target.embed_tokens, seed=2)
+    x = torch.randint(0, 64, (1, 10))
+    _, feats = target(x, torch.arange(10), hidden_layers=drafter.aux_layers)
+    with torch.no_grad():
+        unrolled = list(D.ttt_logits(drafter, x, feats, 4))
+        for t in (0, 3, 5):
+            drafter.setup_caches(16)
+            logits, out = drafter(feats[:, :t + 1], x[:, 1:t + 2], torch.arange(t + 1))
+            torch.testing.assert_close(logits[0, -1], unrolled[0][0, t])
+            for j in range(1, 4):
+                logits, out = drafter(out[:, -1:], x[:, t + j + 1:t + j + 2], torch.tensor([t + j]))
+                torch.testing.assert_close(logits[0, -1], unrolled[j][0, t], atol=1e-5, rtol=1e-5)
+            drafter.drop_caches()
+
+
+def drafter_run(**kw) -> DrafterRun:
+    return DrafterRun(**{**dict(mix="A", steps=30, lr=3e-3, warmup=3, batch_size=4, seq_len=32, data_bytes=10**9,
+                                draft_vocab_size=200, ttt_steps=3, ckpt_every=10), **kw})
+
+
+def test_drafter_training_lowers_loss_and_saves_the_published_format(world, tmp_path):
+    r = D.train_drafter(tmp_path / "d", drafter_run(), world["target"].path)
+    loss = r.log.history["loss"]
+    assert sum(loss[-5:]) < sum(loss[:5])
+    cfg = json.loads((r.path / "config.json").read_text())
+    assert cfg["draft_vocab_size"] == 200 and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]
+    keys = set(load_file(r.path / "model.safetensors"))
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "d2t", "t2d", "lm_head.weight"} <= keys
+    assert "embed_tokens.weight" not in keys
+    # the draft vocabulary is the most frequent ids of the training data
+    ids = load_file(r.path / "model.safetensors")["d2t"] + torch.arange(200)
+    assert world["tok"].token_to_id("<|endoftext|>") in ids.tolist()
+
+
+def test_drafter_and_target_with_different_tokenizers_are_refused(world, tmp_path):
+    other_tok = train_tokenizer(corpus.texts("B", "train", 10**9), 280)
+    other = save_tokenizer(other_tok, tmp_path / "other")
+    target = random_model(tiny_config(280))
+    drafter = new_drafter(target.cfg, torch.arange(100), target.embed_tokens)
+    save_drafter(drafter, other)
+    with pytest.raises(EngineError, match="vocab_size 280.* different vocabularies"):
+        D.train_drafter(tmp_path / "ft", drafter_run(), world["target"].path, init_from=other)
+    # same vocabulary size, another tokenizer
+    same_size = train_tokenizer([t.upper() for t in corpus.texts("A", "train", 10**9)], world["tok"].get_vocab_size())
+    assert same_size.to_str() != world["tok"].to_str()
+    save_tokenizer(same_size, other)
+    (other / "config.json").write_text((other / "config.json").read_text().replace('"vocab_size": 280',
+                                                                                   f'"vocab_size": {world["tok"].get_vocab_size()}'))
+    with pytest.raises(EngineError, match="another tokenizer"):
+        D.check_pair(world["target"].path, other)
+
+
+def test_target_vocab_must_match_the_tokenizer(world, tmp_path):
+    with pytest.raises(EngineError, match="vocab_size is 999 but the tokenizer"):
+        train_target(tmp_path / "t", world["run"], world["tok_dir"], tiny_config(999))
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "engine", "train", "drafter", str(tmp_path / "d"), "--target",
+                        str(tmp_path / "missing")], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no tokenizer.json" in r.stderr, r.stderr
