@@ -3,7 +3,8 @@
 MLA caches only the compressed latent (kv_lora_rank) and one shared rope key per token. Attention runs over that
 cache directly by weight absorption: the query's no-rope part is multiplied into latent space by W_uk (from
 kv_b_proj), scores are taken against the latent, and the weighted latent goes out through W_uv. Nothing is expanded
-per head, so a decode step reads the cache once, whatever the number of heads.
+per head, so a decode step reads the cache once, whatever the number of heads. Without a cache (training) the
+latent is expanded per head instead, so that SDPA's fused kernels keep memory linear in the sequence.
 
 The routed experts are two stacked parameters ([E, 2I, H] and [E, H, I], the layout transformers 5 uses in memory);
 the `stack` attribute tells `model.hf_to_internal` how the per-expert checkpoint tensors map onto them. Routing and
@@ -100,10 +101,17 @@ class MLAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)  # [B, T, R]
         q_rope = self._rope(q_rope.transpose(1, 2), cos, sin)  # [B, H, T, Dr]
         k_rope = self._rope(k_rope, cos, sin)  # [B, T, Dr]
-        if self.cache is not None:
+        if self.cache is None:
+            y = self._expanded(q_nope, q_rope, latent, k_rope, mask)
+        else:
             latent, k_rope = self.cache.update(slots, latent, k_rope)  # [B, S, R], [B, S, Dr]
-        elif mask is None:
-            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            y = self._absorbed(q_nope, q_rope, latent, k_rope, mask)
+        return self.o_proj(y.reshape(B, T, H * self.v_dim))
+
+    def _absorbed(self, q_nope, q_rope, latent, k_rope, mask) -> torch.Tensor:
+        """Attention over the compressed cache: q_nope [B, T, H, Dn], q_rope [B, H, T, Dr], latent [B, S, R],
+        k_rope [B, S, Dr], mask [T, S] -> [B, T, H, Dv]."""
+        B, T, H, _ = q_nope.shape
         w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]  # [H, Dn, R], [H, Dv, R]
         q_lat = torch.einsum("bthd,hdr->bhtr", q_nope, w_uk)  # the query in latent space
@@ -111,11 +119,20 @@ class MLAttention(nn.Module):
         scores = (q_lat.reshape(B, H * T, self.rank) @ latent.transpose(1, 2)
                   + q_rope.reshape(B, H * T, self.rope) @ k_rope.transpose(1, 2))
         scores = scores.view(B, H, T, -1).float() * self.scale
-        scores = scores.masked_fill(~mask, float("-inf"))
-        p = scores.softmax(dim=-1).to(x.dtype)
+        p = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(q_nope.dtype)
         out_lat = (p.view(B, H * T, -1) @ latent).view(B, H, T, self.rank)
-        y = torch.einsum("bhtr,hvr->bthv", out_lat, w_uv)
-        return self.o_proj(y.reshape(B, T, H * self.v_dim))
+        return torch.einsum("bhtr,hvr->bthv", out_lat, w_uv)
+
+    def _expanded(self, q_nope, q_rope, latent, k_rope, mask) -> torch.Tensor:
+        """Without a cache (training, uncached scoring): per-head K/V from the latent, as transformers does, so
+        SDPA's fused kernels apply and no [T, T] scores are kept for backward. -> [B, T, H, Dv]."""
+        B, T, H, _ = q_nope.shape
+        k_nope, v = self.kv_b_proj(latent).view(B, T, H, self.nope + self.v_dim).split([self.nope, self.v_dim], -1)
+        k = torch.cat([k_nope.transpose(1, 2), k_rope[:, None].expand(B, H, T, self.rope)], dim=-1)
+        q = torch.cat([q_nope.transpose(1, 2), q_rope], dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=mask is None, scale=self.scale,
+                                           attn_mask=None if mask is None else mask[None, None])
+        return y.transpose(1, 2)
 
 
 class Router(nn.Module):
