@@ -187,3 +187,37 @@ def test_serving_bundled_target_directory(tmp_path):
     with serving("bundled", cfg, device="cpu", dtype="float32", max_seq_len=128) as url:
         s = benchmark(url, requests=3, concurrency=3, max_tokens=4)
     assert (s.ok, s.completion_tokens, s.accept_length) == (3, 12, 1.0)
+
+
+def _sse(*payloads):
+    return "".join(f"data: {json.dumps(p)}\n\n" for p in payloads) + "data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("events, ok, tokens, detail", [
+    # no usage chunk: the count comes from meta_info, not from the two content chunks
+    ([{"choices": [{"delta": {"content": "ab"}}]},
+      {"choices": [{"delta": {"content": "cd"}, "meta_info": {"completion_tokens": 5, "spec_verify_ct": 2}}]}],
+     True, 5, None),
+    ([{"choices": [{"delta": {"content": "ab"}}]}, {"choices": [{"delta": {"content": "c"}}]}], True, 2, None),
+    ([{"choices": [{"delta": {"content": "ab"}}]}, {"error": {"message": "engine died", "code": 500}}],
+     False, 0, "engine died"),
+])
+def test_client_reads_streams(events, ok, tokens, detail):
+    import asyncio
+
+    import httpx
+
+    from engine.backends.client import build_body, one_request
+
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=_sse(*events)))
+
+    async def go():
+        async with httpx.AsyncClient(transport=transport, base_url="http://x") as c:
+            body = build_body("p", chat=True, model="m", max_tokens=8, temperature=0.0, stream=True)
+            return await one_request(c, "/v1/chat/completions", body)
+
+    res = asyncio.run(go())
+    assert (res.ok, res.completion_tokens) == (ok, tokens)
+    assert detail is None or detail in res.error
+    if ok:
+        assert res.ttft_s is not None and len(res.chunk_gaps_s) == 1

@@ -119,6 +119,7 @@ def _absorb(res: RequestResult, payload: dict[str, Any]) -> None:
 async def one_request(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> RequestResult:
     t0 = time.perf_counter()
     res = RequestResult(ok=False)
+    chunks = 0  # content chunks of a stream
     try:
         if not body["stream"]:
             r = await client.post(path, json=body)
@@ -131,11 +132,12 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict[str, Any]
                     text = (await r.aread()).decode(errors="replace")
                     return RequestResult(ok=False, error=f"HTTP {r.status_code}: {text[:200]}")
                 last = None
-                chunks = 0
                 async for line in r.aiter_lines():
                     if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                         continue
                     payload = json.loads(line[5:])
+                    if "error" in payload:  # the status line was 200; the failure comes in-band
+                        return RequestResult(ok=False, error=f"in-stream error: {payload['error']}")
                     _absorb(res, payload)
                     if any(_content(c) for c in payload.get("choices") or ()):
                         now = time.perf_counter()
@@ -145,12 +147,10 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict[str, Any]
                             res.chunk_gaps_s.append(now - last)
                         last = now
                         chunks += 1
-                if not res.completion_tokens:  # no usage in the stream: count chunks (one token each)
-                    res.completion_tokens = chunks
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         return RequestResult(ok=False, error=f"{type(e).__name__}: {e}")
-    if not res.completion_tokens and res.meta_info:
-        res.completion_tokens = int(res.meta_info.get("completion_tokens") or 0)
+    if not res.completion_tokens:  # no usage reported: meta_info, else one token per content chunk
+        res.completion_tokens = int((res.meta_info or {}).get("completion_tokens") or chunks)
     res.ok = True
     res.latency_s = time.perf_counter() - t0
     return res
