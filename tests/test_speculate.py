@@ -1,0 +1,274 @@
+"""Speculative decoding on CPU: greedy output identical to the target alone (chain and tree; all accepted, all
+rejected, partly accepted, EOS inside a draft, the cache filling up), sampling that keeps the target's distribution,
+and the tree helpers."""
+import math
+
+import pytest
+import torch
+
+from engine.config import ModelConfig
+from engine.drafter import Eagle3Drafter, new_drafter
+from engine.errors import EngineError
+from engine.generate import Generator
+from engine.loading import random_model
+from engine.sampling import SamplingParams
+from engine.speculate import SpecDecoder
+from engine.tree import TreeShape, accept, ancestors, build_tree, select_nodes, tree_mask
+
+V = 97  # prime, so x -> 7x + 3 is a permutation
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread is faster than two that contend."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def bigram(x: torch.Tensor, vocab: int = V) -> torch.Tensor:
+    return (7 * x + 3) % vocab
+
+
+def bigram_target(context: float, vocab: int = V, scale: float = 0.5, seed: int = 0):
+    """A target whose greedy choice is bigram(x) unless the context (attention and MLP outputs scaled by
+    `context`) overrides it: context 1 -> always the bigram, 100 -> about 3 times in 4. `scale` sets how sure."""
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, max_position_embeddings=512)
+    m = random_model(cfg, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    inv = torch.empty(vocab, dtype=torch.long)
+    inv[(7 * torch.arange(vocab) + 3) % vocab] = torch.arange(vocab)
+    with torch.no_grad():
+        E = torch.randn(vocab, 64, generator=g)
+        m.embed_tokens.weight.copy_(E)
+        m.lm_head.weight.copy_(scale * E[inv])
+        for layer in m.layers:
+            layer.self_attn.o_proj.weight.mul_(context)
+            layer.mlp.down_proj.weight.mul_(context)
+    return m
+
+
+class OracleDrafter(Eagle3Drafter):
+    """A real drafter forward whose logits are then pushed toward bigram(next token); on tokens divisible by
+    `miss` its first choice is wrong and the bigram only second (so trees accept a second branch)."""
+    miss = 0
+
+    def forward(self, hidden, input_ids, input_pos, cache_slots=None, attn_mask=None):
+        logits, out = super().forward(hidden, input_ids, input_pos, cache_slots, attn_mask)
+        v = logits.shape[-1]  # the draft vocabulary is the whole vocabulary here
+        right = torch.nn.functional.one_hot(bigram(input_ids, v), v).float()
+        wrong = torch.nn.functional.one_hot((bigram(input_ids, v) + 1) % v, v).float()
+        missed = (input_ids % self.miss == 0)[..., None] if self.miss else torch.zeros_like(right, dtype=torch.bool)
+        return logits + torch.where(missed, 40 * wrong + 20 * right, 40 * right), out
+
+
+def drafter_for(target, oracle: bool = False, miss: int = 0, seed: int = 3) -> Eagle3Drafter:
+    d = new_drafter(target.cfg, torch.arange(target.cfg.vocab_size), embedding=target.embed_tokens, seed=seed)
+    if oracle:
+        d.__class__ = OracleDrafter
+        d.miss = miss
+    return d
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def same_as_target(target, drafter, steps, topk, draft_tokens=None, n_prompts=4, new=32, seq=96, **kw):
+    base = Generator(target, seq, cuda_graphs=False)
+    spec = SpecDecoder(target, drafter, seq, steps, topk, draft_tokens, **kw)
+    results = []
+    for p in prompts(n_prompts):
+        want = base.generate(p, new)
+        got = spec.generate(p, new)
+        assert got.token_ids == want.token_ids, f"prompt {p}"
+        assert sum(n * c for n, c in enumerate(got.accept_hist)) == len(got.token_ids) - 1
+        assert got.verify_cycles == sum(got.accept_hist)
+        results.append(got)
+    return results
+
+
+CASES = [(4, 1, None), (3, 3, 8), (5, 2, 10)]  # chain, tree, deeper tree
+
+
+@pytest.mark.parametrize("steps,topk,n", CASES)
+def test_all_accepted(steps, topk, n):
+    t = bigram_target(1.0)
+    for r in same_as_target(t, drafter_for(t, oracle=True), steps, topk, n):
+        full = steps + 1
+        assert r.accept_hist[full] >= r.verify_cycles - 1  # every cycle but a truncated last one
+        assert r.accept_length > steps
+
+
+@pytest.mark.parametrize("steps,topk,n", CASES)
+def test_all_rejected_random_drafter(steps, topk, n):
+    t = bigram_target(1.0)
+    for r in same_as_target(t, drafter_for(t), steps, topk, n):
+        assert r.accept_hist[1] >= 0.9 * r.verify_cycles
+
+
+@pytest.mark.parametrize("steps,topk,n", CASES)
+def test_partly_accepted_with_context(steps, topk, n):
+    t = bigram_target(100.0)
+    results = same_as_target(t, drafter_for(t, oracle=True, miss=3), steps, topk, n)
+    hist = [sum(col) for col in zip(*(r.accept_hist for r in results))]
+    assert hist[1] > 0 and sum(hist[2:]) > 0  # both rejections and acceptances happened
+
+
+def test_tree_beats_chain_when_first_choice_misses():
+    t = bigram_target(1.0)
+    d = drafter_for(t, oracle=True, miss=3)
+    chain = same_as_target(t, d, 4, 1, n_prompts=2)
+    tree = same_as_target(t, d, 4, 2, 8, n_prompts=2)
+    assert sum(r.accept_length for r in tree) > sum(r.accept_length for r in chain)
+
+
+def test_eos_inside_a_draft_stops_there():
+    t = bigram_target(1.0)
+    spec = SpecDecoder(t, drafter_for(t, oracle=True), 128, steps=4, topk=1)
+    p = prompts(1)[0]
+    full = spec.generate(p, 30).token_ids
+    stop = full[6]  # cycles emit 5 tokens after the prefill's: position 6 is inside the second cycle's draft
+    assert stop not in full[:6]
+    r = spec.generate(p, 30, stop_ids=(stop,))
+    assert r.token_ids == full[:7] and r.finish_reason == "stop"
+    assert list(spec.stream(p, 30, stop_ids=(stop,)))[-1][-1] == stop
+    assert Generator(t, 128, cuda_graphs=False).generate(p, 30, stop_ids=(stop,)).token_ids == r.token_ids
+
+
+@pytest.mark.parametrize("topk,n", [(1, None), (3, 12)])
+def test_cache_filling_up_falls_back_and_ends_cleanly(topk, n):
+    t = bigram_target(100.0)
+    seq = 48
+    p = prompts(1)[0]
+    d = drafter_for(t, oracle=True, miss=3)
+    want = Generator(t, seq, cuda_graphs=False).generate(p, seq - len(p))
+    got = SpecDecoder(t, d, seq, 4, topk, n).generate(p, seq - len(p))
+    assert got.token_ids == want.token_ids and got.finish_reason == "length"
+    assert len(got.token_ids) == seq - len(p)
+
+
+def test_stream_matches_generate():
+    t = bigram_target(100.0)
+    spec = SpecDecoder(t, drafter_for(t, oracle=True, miss=3), 128, 3, 2, 6)
+    p = prompts(1)[0]
+    parts = list(spec.stream(p, 25))
+    assert [x for part in parts for x in part] == spec.generate(p, 25).token_ids
+    assert len(parts[0]) == 1 and max(len(x) for x in parts) <= 4
+
+
+def test_timed_phases_split_the_decode_time():
+    t = bigram_target(1.0)
+    r = SpecDecoder(t, drafter_for(t, oracle=True), 128, 3, 1).generate(prompts(1)[0], 30, timed_phases=True)
+    assert r.draft_s > 0 and r.verify_s > 0 and r.other_s > 0
+    assert r.draft_s + r.verify_s + r.other_s <= r.decode_s * 1.05
+
+
+def test_bad_settings_are_engine_errors():
+    t = bigram_target(1.0)
+    d = drafter_for(t)
+    with pytest.raises(EngineError, match="draft_tokens must be in 2..11"):
+        SpecDecoder(t, d, 128, steps=3, topk=2, draft_tokens=12)
+    with pytest.raises(EngineError, match="does not fit a cache of 16"):
+        SpecDecoder(t, d, 16, steps=5, topk=4, draft_tokens=30)
+    with pytest.raises(EngineError, match="chain"):
+        SpecDecoder(t, d, 128, steps=3, topk=1, draft_tokens=6)
+    spec = SpecDecoder(t, d, 32, steps=3, topk=1)
+    with pytest.raises(EngineError, match="exceeds the cache"):
+        spec.generate(list(range(20)), 20)
+    with pytest.raises(EngineError, match="max_new_tokens must be positive"):
+        spec.generate([1, 2], 0)
+
+
+# ---- sampling keeps the target's distribution ---------------------------------------------------------------
+
+@torch.no_grad()
+def exact_marginals(target, prompt: list[int], n: int, sampling: SamplingParams) -> list[torch.Tensor]:
+    """Marginal distributions of the first n generated tokens, by enumeration over the target."""
+    from engine.sampling import logits_to_probs
+
+    seqs, probs, out = [prompt], torch.ones(1), []
+    for _ in range(n):
+        x = torch.tensor(seqs)
+        target.drop_caches()
+        logits, _ = target(x, torch.arange(x.shape[1]))
+        p = logits_to_probs(logits[:, -1], sampling) * probs[:, None]  # [S, V] joint
+        out.append(p.sum(0))
+        seqs = [s + [v] for s in seqs for v in range(p.shape[1])]
+        probs = p.flatten()
+    return out
+
+
+def chi_square(counts: torch.Tensor, p: torch.Tensor) -> tuple[float, int]:
+    keep = p * counts.sum() >= 5  # pool the rare cells
+    exp = torch.cat([p[keep], p[~keep].sum(0, keepdim=True)]) * counts.sum()
+    obs = torch.cat([counts[keep], counts[~keep].sum(0, keepdim=True)])
+    ok = exp > 0
+    return float(((obs - exp)[ok] ** 2 / exp[ok]).sum()), int(ok.sum()) - 1
+
+
+def chi2_critical(df: int) -> float:
+    """Upper 0.1% point of chi-square (Wilson-Hilferty), so a correct sampler fails once in a thousand seeds."""
+    z = 3.09
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+SAMPLING_SCALE = 0.05  # the bigram token about 3 times in 4
+SAMPLES = 800
+
+
+@pytest.mark.parametrize("topk,n", [(1, None), (2, 5)])
+def test_sampling_keeps_target_distribution(topk, n):
+    vocab = 11
+    t = bigram_target(1.0, vocab=vocab, scale=SAMPLING_SCALE)
+    d = drafter_for(t, oracle=True, miss=4)
+    sampling = SamplingParams(temperature=1.0)
+    prompt = [1, 5, 2]
+    spec = SpecDecoder(t, d, 32, steps=2, topk=topk, draft_tokens=n)
+    samples, accepted = [], 0
+    for seed in range(SAMPLES):
+        r = spec.generate(prompt, 3, sampling, seed=seed)
+        samples.append(r.token_ids)
+        accepted += r.accepted_tokens
+    assert accepted > SAMPLES // 4  # drafts were accepted often, so the acceptance path is what is tested
+    marginals = exact_marginals(t, prompt, 3, sampling)
+    for i, p in enumerate(marginals):
+        counts = torch.bincount(torch.tensor([s[i] for s in samples]), minlength=vocab).float()
+        stat, df = chi_square(counts, p)
+        assert stat < chi2_critical(df), f"token {i}: chi-square {stat:.1f} on {df} df"
+
+
+# ---- tree helpers -------------------------------------------------------------------------------------------
+
+def test_tree_selection_is_closed_under_ancestors_even_with_ties():
+    # pool of topk 2, 3 steps: 2 depth-1 nodes, then 4 + 4 candidates; scores with ties at -inf-like values
+    shape = TreeShape.make(3, 2, 7)
+    parents = torch.tensor([-1, -1, 0, 0, 1, 1, 2, 2, 3, 3])
+    scores = torch.tensor([0.0, -5.0, 0.0, -1.0, -5.0, -5.0, 0.0, -2.0, -1.0, -9.0])
+    sel = select_nodes(scores, shape.draft_tokens - 1)
+    assert set(sel.tolist()) >= {int(parents[i]) for i in sel.tolist() if parents[i] >= 0}
+    tokens, par, depth = build_tree(sel, parents, torch.arange(10) + 100, shape.pool_depths(torch.device("cpu")),
+                                    torch.tensor([7]))
+    assert tokens[0] == 7 and par[0] == 0 and depth[0] == 0
+    assert (par[1:] < torch.arange(1, 7)).all()  # parents come first
+    assert (depth[1:] == depth[par[1:]] + 1).all()
+
+
+def test_mask_and_accepted_path():
+    # root 0 -> 1 -> 3, root 0 -> 2 -> 4
+    parents = torch.tensor([0, 0, 0, 1, 2])
+    depth = torch.tensor([0, 1, 1, 2, 2])
+    anc = ancestors(parents, 2)
+    mask = tree_mask(anc, torch.tensor([5]), 12)
+    assert mask[:, :5].all() and not mask[:, 10:].any()
+    assert mask[4, 5:10].tolist() == [True, False, True, False, True]
+    tokens = torch.tensor([9, 11, 12, 13, 14])
+    target = torch.tensor([12, 0, 14, 0, 8])  # root -> 12 (node 2), node 2 -> 14 (node 4), bonus 8
+    count, path, emitted = accept(tokens, target, parents, depth, anc, 2)
+    assert count.item() == 3 and path[:3].tolist() == [0, 2, 4] and emitted[:3].tolist() == [12, 14, 8]
+    count, path, emitted = accept(tokens, torch.tensor([5, 0, 0, 0, 0]), parents, depth, anc, 2)
+    assert count.item() == 1 and emitted[0].item() == 5
