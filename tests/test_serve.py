@@ -242,7 +242,7 @@ def test_non_streaming_client_timeout_stops_generation(url):
     before = metric(url, "specbook_generation_tokens_total")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json={"prompt": "slow", "max_tokens": CACHE - 8, "ignore_eos": True},
-                   headers=AUTH, timeout=0.1)
+                   headers=AUTH, timeout=httpx.Timeout(30, read=0.1))
     wait_for(url, lambda h: not h["running"] and h["queued"] == 0)
     assert metric(url, "specbook_generation_tokens_total") - before < CACHE - 8
 
