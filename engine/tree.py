@@ -123,7 +123,9 @@ def accept(tokens: torch.Tensor, target_tokens: torch.Tensor, parents: torch.Ten
     acc = ok
     for _ in range(max_depth):
         acc = acc & acc[parents]
-    best = torch.where(acc, depth, -1).argmax()  # deepest accepted node (siblings carry distinct tokens)
+    # the deepest accepted node (siblings carry distinct tokens); index_select keeps it on the device
+    best = torch.where(acc, depth, -1).argmax().view(1)
     idx = torch.arange(n, device=tokens.device)
-    path = torch.where(anc[best], idx, n + idx).sort().values.remainder(n)  # ancestors first, by index = by depth
-    return (depth[best] + 1).view(1), path, target_tokens[path]
+    on_path = anc.index_select(0, best)[0]
+    path = torch.where(on_path, idx, n + idx).sort().values.remainder(n)  # ancestors first, by index = by depth
+    return depth.index_select(0, best) + 1, path, target_tokens[path]
