@@ -137,6 +137,7 @@ class Target:
     profile: str
     params: dict[str, Any]
     inputs: dict[str, str]  # declared input fingerprints
+    engine: str  # engine source hash
     upstream: dict[str, "Target"]
     inputs_hash: str
     outputs_dir: Path
@@ -164,8 +165,9 @@ def target(root: Path, name: str, profile: str, overrides: dict[str, Any] | None
     params = rb.params_for(profile, overrides)
     upstream = {d: target(root, d, profile, None, (*_chain, name)) for d in rb.depends}
     inputs = {i: input_fingerprint(root, i) for i in rb.inputs}
-    h = inputs_hash(rb.source, params, engine_hash(root), {d: t.inputs_hash for d, t in upstream.items()}, inputs)
-    return Target(rb, profile, params, inputs, upstream, h, root / ".specbook" / "outputs" / name / profile / h)
+    engine = engine_hash(root)
+    h = inputs_hash(rb.source, params, engine, {d: t.inputs_hash for d, t in upstream.items()}, inputs)
+    return Target(rb, profile, params, inputs, engine, upstream, h, root / ".specbook" / "outputs" / name / profile / h)
 
 
 @dataclass

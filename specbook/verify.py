@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from specbook import RunFailed, SpecbookError, records
-from specbook.execute import run, target
+from specbook.execute import Target, run, target
+from specbook.provenance import canonical, sha
 from specbook.runbooks import discover, load
 
 FRESH, STALE, DRIFTED, ELSEWHERE, FAILED, UNRECORDED = (
@@ -69,14 +70,24 @@ def _names(root: Path, names: list[str] | None) -> list[str]:
     return sorted(set(discover(root)) | {p.stem for p in (root / records.BASELINES).glob("*.yaml")})
 
 
-def _current_hash(root: Path, name: str, profile: str, cache: dict) -> str | Exception:
+def _current(root: Path, name: str, profile: str, cache: dict) -> Target | Exception:
     key = (name, profile)
     if key not in cache:
         try:
-            cache[key] = target(root, name, profile).inputs_hash
+            cache[key] = target(root, name, profile)
         except SpecbookError as e:  # runbook gone, profile dropped, input unavailable: reported, not raised
             cache[key] = e
     return cache[key]
+
+
+def why_stale(t: Target, run: dict[str, Any]) -> str:
+    """Which inputs changed since `run`, from the hashes its provenance kept."""
+    p = run.get("provenance", {})
+    now = {"runbook": sha(t.rb.source), "parameters": sha(canonical(t.params)), "engine": t.engine}
+    then = {"runbook": p.get("runbook_hash"), "parameters": p.get("params_hash"), "engine": p.get("engine_hash")}
+    changed = [k for k in now if now[k] != then[k]]
+    changed += [f"input {i}" for i, h in t.inputs.items() if p.get(f"{i}_manifest") != h]
+    return ", ".join(changed or ["upstream"]) + " changed since it was recorded"
 
 
 def _static(root: Path, name: str, profile: str, prof: dict, here: str | None, cache: dict) -> list[Verdict]:
@@ -90,11 +101,11 @@ def _static(root: Path, name: str, profile: str, prof: dict, here: str | None, c
         elif here is not None and profile != here:
             v.verdict, v.detail = ELSEWHERE, f"profile {profile}, this machine is {here}"
         else:
-            h = _current_hash(root, name, profile, cache)
-            if isinstance(h, Exception):
-                v.verdict, v.detail = FAILED, str(h)
-            elif h != r["inputs_hash"]:
-                v.verdict, v.detail = STALE, "inputs changed since it was recorded"
+            t = _current(root, name, profile, cache)
+            if isinstance(t, Exception):
+                v.verdict, v.detail = FAILED, str(t)
+            elif t.inputs_hash != r["inputs_hash"]:
+                v.verdict, v.detail = STALE, why_stale(t, r)
         out.append(v)
     return out
 
@@ -153,6 +164,6 @@ def _rerun(root: Path, name: str, profile: str, prof: dict, static: list[Verdict
 
 def _with(v: Verdict, verdict: str, detail: str) -> Verdict:
     # a stale record that also drifted says both
-    stale = "; inputs changed since it was recorded" if v.verdict == STALE else ""
+    stale = f"; {v.detail}" if v.verdict == STALE else ""
     v.verdict, v.detail = verdict, detail + stale
     return v

@@ -7,6 +7,7 @@ import pytest
 
 from specbook import records
 from specbook.execute import target
+from specbook.provenance import canonical, sha
 from specbook.record import Metric
 from specbook.verify import (DRIFTED, ELSEWHERE, FAILED, FRESH, STALE, UNRECORDED, Verdict, age, drift, exit_code,
                              status, verify)
@@ -50,8 +51,9 @@ def test_age():
 def _record_current(root: Path, name: str, profile: str = "cpu", value: float = 1.0) -> None:
     """Record a run whose inputs hash is the current one, without executing anything."""
     t = target(root, name, profile)
+    kept = {"runbook_hash": sha(t.rb.source), "params_hash": sha(canonical(t.params)), "engine_hash": t.engine}
     run = {"id": records.new_run_id("2026-11-29T10:00:00Z"), "date": "2026-11-29T10:00:00Z",
-           "source": "measured", "inputs_hash": t.inputs_hash, "parameters": t.params, "provenance": {}}
+           "source": "measured", "inputs_hash": t.inputs_hash, "parameters": t.params, "provenance": kept}
     records.add_run(root, name, profile, run, [Metric("x", value, "u", "higher")])
 
 
@@ -69,14 +71,16 @@ def test_stale_when_runbook_parameters_or_engine_change(tmp_path):
 
     write_runbook(root, "b", runbook_text(profiles="{cpu: {}, h200: {value: 3.0}}"))  # h200 parameters only
     assert _verdicts(status(root)) == {("a", "cpu", "x"): FRESH, ("b", "h200", "x"): STALE}
+    assert status(root, ["b"])[0].detail == "runbook, parameters changed since it was recorded"
 
     write_runbook(root, "a", runbook_text(params="value = 1.0  # a comment is a change too"))
-    assert status(root, ["a"])[0].verdict == STALE
+    assert (status(root, ["a"])[0].verdict, status(root, ["a"])[0].detail) == (
+        STALE, "runbook changed since it was recorded")
 
     _record_current(root, "a")
     _record_current(root, "b", "h200")
     (root / "engine" / "model.py").write_text("LAYERS = 3\n")
-    assert set(_verdicts(status(root)).values()) == {STALE}
+    assert {(v.verdict, v.detail) for v in status(root)} == {(STALE, "engine changed since it was recorded")}
 
 
 def test_stale_when_upstream_changes(tmp_path):
@@ -84,7 +88,8 @@ def test_stale_when_upstream_changes(tmp_path):
     _record_current(root, "down")
     assert status(root, ["down"])[0].verdict == FRESH
     write_runbook(root, "up", runbook_text(params="value = 2.0"))
-    assert status(root, ["down"])[0].verdict == STALE
+    assert (status(root, ["down"])[0].verdict, status(root, ["down"])[0].detail) == (
+        STALE, "upstream changed since it was recorded")
 
 
 def test_status_without_runbook_or_profile(tmp_path):
