@@ -118,8 +118,10 @@ def _check_run(run: Any, where: str, bad) -> None:
         raise bad(where, "needs an id")
     if run.get("source") not in SOURCES:
         raise bad(where, f"source must be one of {', '.join(SOURCES)}")
-    if not isinstance(run.get("date"), (str, dt.datetime, dt.date)):
-        raise bad(where, "needs a date")
+    try:
+        parse_date(run.get("date"))
+    except (TypeError, ValueError):
+        raise bad(where, f"date {run.get('date')!r} is not an ISO date like 2026-11-29T14:40:00Z") from None
     if not isinstance(run.get("provenance"), dict):
         raise bad(where, "needs a provenance mapping")
     if run["source"] == "measured" and not (isinstance(run.get("inputs_hash"), str)
@@ -203,8 +205,9 @@ def run_of(prof: dict[str, Any], run_id: str) -> dict[str, Any]:
 
 
 def parse_date(value: Any) -> dt.datetime:
-    if isinstance(value, dt.datetime):
-        return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
-    if isinstance(value, dt.date):
-        return dt.datetime(value.year, value.month, value.day, tzinfo=dt.timezone.utc)
-    return dt.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    """A run date as an aware datetime (YAML may already have parsed it; no zone means UTC)."""
+    if isinstance(value, dt.date) and not isinstance(value, dt.datetime):
+        value = dt.datetime(value.year, value.month, value.day)
+    elif not isinstance(value, dt.datetime):
+        value = dt.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    return value if value.tzinfo else value.replace(tzinfo=dt.timezone.utc)
