@@ -37,11 +37,16 @@ def test_help_documents_exit_codes():
     assert r.exit_code == 0 and "Exit codes:" in r.stdout and "3  could not run" in r.stdout
 
 
-def test_run_records_publishes_and_verifies(tmp_path):
+def test_run_records_publishes_and_verifies(tmp_path, monkeypatch):
+    from specbook import claims
+
+    refreshed = []
+    monkeypatch.setattr(claims, "refresh_docs", lambda root, names: refreshed.append(list(names)) or [])
     root = make_repo(tmp_path, bench=FROM_FILE)
     (root / "value.txt").write_text("100")
     r = cli(root, "run", "bench")
     assert r.exit_code == 0, r.stderr
+    assert refreshed == [["bench"]]  # docs claims follow the new record
     assert "bench" in r.stdout and "100" in r.stdout and "new" in r.stdout
     rec = baseline(root, "bench")["profiles"]["cpu"]
     assert rec["metrics"]["x"]["value"] == 100.0 and rec["runs"][0]["source"] == "measured"
