@@ -202,7 +202,9 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
         res.forward_ms["eager"] = forward_costs(model, cfg.prompt_len, cfg.sizes, False)
     if eng.speculative:
         res.decode["speculative"] = stat(eng.decoder)
-        res.spec = {k: getattr(eng.decoder, k, None) for k in ("steps", "topk", "draft_tokens", "eager_verify")}
+        shape = eng.decoder.shape
+        res.spec = {"steps": shape.steps, "topk": shape.topk, "draft_tokens": shape.draft_tokens,
+                    "eager_verify": eng.decoder.eager_verify}
     if cfg.profile:
         res.profile = profile_decode(model, eng.max_seq_len, prompt)
     if cfg.peer:

@@ -72,7 +72,7 @@ class Engine:
 
             draft = load_drafter(drafter, model, device=dev, dtype=dt)
             decoder = SpecDecoder(model, draft, max_seq_len, steps, topk, draft_tokens, cuda_graphs=cuda_graphs,
-                                  eager_verify=eager_verify)
+                                  eager_verify=eager_verify, prefill_chunk=prefill_chunk)
         return cls(model, decoder, tokenizer, name)
 
     @property

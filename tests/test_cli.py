@@ -139,3 +139,26 @@ def test_help_explains_the_commands():
     assert r.exit_code == 0 and "generate" in r.stdout and "bench" in r.stdout and "Exit codes" in r.stdout
     r = run("generate", "--help")
     assert r.exit_code == 0 and "--max-new-tokens" in r.stdout and "--drafter" in r.stdout
+
+
+def test_generate_and_bench_with_a_drafter(tmp_path, model_dir):
+    from engine.drafter import new_drafter, save_drafter
+    from engine.loading import load_model
+
+    target = load_model(model_dir)
+    save_drafter(new_drafter(target.cfg, torch.arange(target.cfg.vocab_size), seed=1), tmp_path / "drafter")
+    common = ["--target", str(model_dir), "--max-seq-len", "128", "--json"]
+    base = run("generate", *common, "--prompt-ids", "1,2,3", "--max-new-tokens", "20")
+    spec = run("generate", *common, "--prompt-ids", "1,2,3", "--max-new-tokens", "20",
+               "--drafter", str(tmp_path / "drafter"), "--steps", "3")
+    assert base.exit_code == 0 and spec.exit_code == 0, spec.stderr
+    b, s = json.loads(base.stdout), json.loads(spec.stdout)
+    assert s["speculative"] and not b["speculative"]
+    assert s["token_ids"] == b["token_ids"]  # greedy speculation reproduces the target's greedy output
+    r = run("bench", *common, "--drafter", str(tmp_path / "drafter"), "--steps", "2", "--prompt-len", "4",
+            "--new-tokens", "8", "--repeats", "1", "--sizes", "1,8", "--no-peer")
+    assert r.exit_code == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["spec"]["steps"] == 2 and out["decode"]["speculative"]["accept_length"] >= 1.0
+    bad = run("generate", *common, "--prompt", "x", "--drafter", str(tmp_path / "missing"))
+    assert_bad_input(bad, "missing")
