@@ -162,7 +162,7 @@ class Router(nn.Module):
         group_scores = choice.view(-1, self.n_group, E // self.n_group).topk(2, dim=-1)[0].sum(-1)
         group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
-        expert_mask = group_mask.repeat_interleave(E // self.n_group, dim=-1)
+        expert_mask = group_mask[:, :, None].expand(-1, -1, E // self.n_group).reshape(-1, E)
         idx = choice.masked_fill(~expert_mask, float("-inf")).topk(self.top_k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, idx)
         if self.norm_topk_prob:

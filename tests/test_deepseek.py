@@ -218,6 +218,26 @@ def test_saved_checkpoint_round_trip(tmp_path):
         assert torch.equal(a, b), k
 
 
+@torch.no_grad()
+def test_checkpoint_written_by_transformers_loads(tmp_path):
+    """transformers 5 spells the rope as rope_parameters and writes per-expert tensors; q_lora_rank unset."""
+    hf_cfg = transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+        max_position_embeddings=256, rope_parameters=dict(rope_theta=10000.0, **YARN))
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(hf_cfg).eval()
+    for layer in hf.model.layers[1:]:
+        layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    hf.save_pretrained(tmp_path)
+    m = load_model(tmp_path)
+    assert m.cfg.rope_scaling["rope_type"] == "yarn" and m.cfg.q_lora_rank is None
+    ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(1))
+    m.setup_caches(16)
+    torch.testing.assert_close(m(ids, torch.arange(10))[0], hf(ids).logits, atol=TOL, rtol=0)
+
+
 # --- bad input -----------------------------------------------------------------------------------------------
 
 def _edit(path, drop=(), config=None):
