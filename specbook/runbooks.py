@@ -166,33 +166,42 @@ def _parameters(path: Path, nb) -> dict[str, Param]:
         raise SpecbookError(f"{path}: parameters cell, line {e.lineno}: {e.msg}") from None
     params: dict[str, Param] = {}
     for node in tree.body:
-        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else getattr(
-            node, "target", None)
-        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or not isinstance(target, ast.Name) or node.value is None:
-            raise SpecbookError(f"{path}: parameters cell, line {node.lineno}: only `name = literal` assignments")
+        where = f"{path}: parameters cell, line {node.lineno}"
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target = node.target
+        else:
+            target = None
+        if not isinstance(target, ast.Name):
+            raise SpecbookError(f"{where}: only `name = literal` assignments")
         try:
             default = ast.literal_eval(node.value)
         except ValueError:
-            raise SpecbookError(f"{path}: parameters cell, line {node.lineno}: {target.id} must be a literal") from None
-        types, nullable = _annotation(path, node) if isinstance(node, ast.AnnAssign) else _infer(default)
-        params[target.id] = Param(target.id, default, types, nullable)
+            raise SpecbookError(f"{where}: {target.id} must be a literal") from None
+        if isinstance(node, ast.AnnAssign):
+            p = Param(target.id, default, *_annotation(where, node.annotation))
+            if not (default is None and p.nullable or p.types is None or isinstance(default, p.types)):
+                raise SpecbookError(f"{where}: default of {target.id} is not {p.describe()}")
+        else:  # the default's type; a None default accepts any literal
+            p = Param(target.id, default, None if default is None else (type(default),), default is None)
+        params[target.id] = p
     return params
 
 
-def _annotation(path: Path, node: ast.AnnAssign) -> tuple[tuple[type, ...] | None, bool]:
-    names = [n.id if isinstance(n, ast.Name) else getattr(n, "value", "?") for n in ast.walk(node.annotation)
-             if isinstance(n, (ast.Name, ast.Constant))]
-    nullable = bool({"None", None, "Optional"} & set(names))
-    types = tuple(_TYPES[n] for n in names if n in _TYPES)
-    if not types and not nullable or any(n not in _TYPES and n not in ("None", None, "Optional") for n in names):
-        raise SpecbookError(f"{path}: parameters cell, line {node.lineno}: annotation must use {sorted(_TYPES)} | None")
-    return types or None, nullable
-
-
-def _infer(default: Any) -> tuple[tuple[type, ...] | None, bool]:
-    if default is None:
+def _annotation(where: str, ann: ast.expr) -> tuple[tuple[type, ...] | None, bool]:
+    """Types and nullability of `int`, `float | None`, `Optional[str]`, `list[int]` (element types unchecked)."""
+    if isinstance(ann, ast.BinOp) and isinstance(ann.op, ast.BitOr):
+        (lt, ln), (rt, rn) = _annotation(where, ann.left), _annotation(where, ann.right)
+        return (lt or ()) + (rt or ()) or None, ln or rn
+    if isinstance(ann, ast.Constant) and ann.value is None:
         return None, True
-    return (float,) if isinstance(default, float) else (type(default),), False
+    if isinstance(ann, ast.Subscript) and isinstance(ann.value, ast.Name) and ann.value.id == "Optional":
+        return _annotation(where, ann.slice)[0], True
+    name = ann.value if isinstance(ann, ast.Subscript) else ann
+    if isinstance(name, ast.Name) and name.id in _TYPES:
+        return (_TYPES[name.id],), False
+    raise SpecbookError(f"{where}: annotation must use {', '.join(_TYPES)}, None or Optional")
 
 
 def check_value(rb: Runbook, name: str, value: Any, where: str = "parameter") -> Any:

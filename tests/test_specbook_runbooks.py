@@ -16,6 +16,8 @@ name = "a"
 flag = False
 sizes = [1, 2]
 maybe: int | None = None
+opt: Optional[float] = 1.0
+ids: list[int] = [1]
 """
 
 
@@ -28,7 +30,8 @@ def test_header_parameters_and_profiles(root):
     rb = load(root, "bench")
     assert rb.title == "T" and set(rb.profiles) == {"cpu", "h200"}
     assert {n: p.describe() for n, p in rb.parameters.items()} == {
-        "n": "int", "rate": "float", "name": "str", "flag": "bool", "sizes": "list", "maybe": "int | None"}
+        "n": "int", "rate": "float", "name": "str", "flag": "bool", "sizes": "list", "maybe": "int | None",
+        "opt": "float | None", "ids": "list"}
     cpu = rb.params_for("cpu")
     assert cpu["n"] == 3 and cpu["rate"] == 1.0 and isinstance(cpu["rate"], float)  # an int is a valid float
     assert rb.params_for("h200", {"flag": True}) == {**rb.params_for("h200"), "flag": True}
@@ -77,6 +80,7 @@ def test_unknown_name_suggests_close_ones(root):
     (runbook_text(params="value = 1.0\nn = 2 * 3"), "line 2: n must be a literal"),
     (runbook_text(params="import os"), "only `name = literal` assignments"),
     (runbook_text(params="x: Path = 1"), "annotation must use"),
+    (runbook_text(params="value = 1.0\nx: int = 'a'"), "line 2: default of x is not int"),
     (runbook_text(extra_header="timeout: -1"), "timeout must be a positive number"),
     (runbook_text(extra_header="depends: x"), "depends must be a list of strings"),
     (runbook_text(extra_header="inputs: [weather]"), "unknown inputs \\['weather'\\]"),
