@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,7 +148,8 @@ def train_drafter(out_dir: str | Path, run: DrafterRun, target_dir: str | Path, 
                   eval_fn=None, eval_every: int = 0) -> DrafterResult:
     """Train a drafter for the target in target_dir (resuming an interrupted run in out_dir). init_from: an
     existing drafter to fine-tune (approach A); its draft vocabulary is kept. max_samples: draw every batch from
-    that many fixed training windows (approach B's data scale). eval_fn(drafter, target) -> {name: value}."""
+    that many fixed training windows (approach B's data scale). eval_fn(drafter, target) -> {name: value}
+    is called every eval_every steps on a copy saved and loaded as published."""
     out, target_dir = Path(out_dir), Path(target_dir)
     if init_from is not None:
         check_pair(target_dir, Path(init_from))
@@ -180,10 +182,10 @@ def train_drafter(out_dir: str | Path, run: DrafterRun, target_dir: str | Path, 
         return loss, {f"acc_{j}": a for j, a in enumerate(accs)}
 
     def evaluate() -> dict[str, float]:
-        drafter.eval()
-        out_ = eval_fn(drafter, target)
-        drafter.train()
-        return out_
+        # measure what would be published: saved, loaded back in the target's dtype, never the training module
+        with tempfile.TemporaryDirectory() as tmp:
+            save_drafter(drafter, tmp)
+            return eval_fn(load_drafter(tmp, target), target)
 
     sched = loop.Schedule(run.steps, run.lr, run.warmup, run.min_lr_ratio, run.grad_clip, run.ckpt_every)
     log = loop.train(out, params, drafter, opt, sched, step_fn, f"drafter {out.name} ({run.mix})",

@@ -43,6 +43,23 @@ def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+@torch.no_grad()
+def mean_loss(model, batches: list[torch.Tensor], device: torch.device) -> float:
+    with autocast(device):
+        return sum(lm_loss(model, b.to(device)).item() for b in batches) / len(batches)
+
+
+def validation_batches(tok, mix: str, run: TargetRun) -> list[torch.Tensor]:
+    """The fixed batches of a mix's validation split that training evaluates on."""
+    ids = token_stream(tok, corpus.texts(mix, "validation", max(run.data_bytes // 10, 200_000)))
+    return eval_batches(ids, run.eval_batches, run.batch_size, run.seq_len)
+
+
+def validation_loss(model: Transformer, tok, mix: str, run: TargetRun) -> float:
+    """Mean next-token loss of a model on a mix's validation split (compare A and B on both mixes)."""
+    return mean_loss(model, validation_batches(tok, mix, run), model.device)
+
+
 def n_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
@@ -88,22 +105,19 @@ def train_target(out_dir: str | Path, run: TargetRun, tokenizer_dir: str | Path,
 
     dev = torch.device(device)
     train_ids = token_stream(tok, corpus.texts(run.mix, "train", run.data_bytes))
-    val_ids = token_stream(tok, corpus.texts(run.mix, "validation", max(run.data_bytes // 10, 200_000)))
     model = load_model(init_from, device=dev) if init_from else random_model(cfg, device=dev, seed=run.seed)
     model.train()
     opt = make_optimizer(model, run.lr, run.weight_decay)
     fwd = torch.compile(model) if run.compile and dev.type == "cuda" else model
-    val = eval_batches(val_ids, run.eval_batches, run.batch_size, run.seq_len)
+    val = validation_batches(tok, run.mix, run)
 
     def step_fn(step: int):
         with autocast(dev):
             return lm_loss(fwd, batch_at(train_ids, step, run.batch_size, run.seq_len, run.seed).to(dev)), {}
 
-    @torch.no_grad()
     def eval_fn() -> dict[str, float]:
         model.eval()
-        with autocast(dev):
-            loss = sum(lm_loss(fwd, b.to(dev)).item() for b in val) / len(val)
+        loss = mean_loss(fwd, val, dev)
         model.train()
         return {"val_loss": loss}
 
