@@ -147,6 +147,24 @@ def test_greedy_generation_identical_to_transformers_for_64_tokens(tmp_path):
     assert len(set(ours)) > 4  # a real continuation, not one token repeated
 
 
+@pytest.mark.parametrize("shape", ["deepseek-v3", "kimi-k2"])
+@pytest.mark.parametrize("variant", [{}, {"truncate": False}, {"original_max_position_embeddings": None}])
+def test_yarn_tables_match_transformers(shape, variant):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.rope import inv_freq_and_scale
+
+    cfg = shape_config(shape)
+    cfg.rope_scaling = {k: v for k, v in {**cfg.rope_scaling, **variant}.items() if v is not None}
+    hf = transformers.DeepseekV3Config(**{k: v for k, v in cfg.to_hf().items() if k not in ("rope_scaling",
+                                                                                           "rope_theta")},
+                                       rope_parameters=dict(cfg.rope_scaling, rope_theta=cfg.rope_theta))
+    want, want_scale = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    got, scale = inv_freq_and_scale(cfg, cfg.qk_rope_head_dim)
+    torch.testing.assert_close(got, want, atol=1e-9, rtol=1e-6)
+    assert scale == pytest.approx(want_scale)
+
+
 @torch.no_grad()
 def test_expert_paths_agree(monkeypatch):
     cfg = tiny()
