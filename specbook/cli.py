@@ -148,6 +148,10 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, force
     t = target(root, name, here, overrides)
     before = {n: records.load(records.path_for(root, n)) for n in _closure(t)}
     outcomes = run_target(root, t, record=True, force=force, progress=not as_json, log=_log)
+    for o in outcomes:
+        if o.run_id:
+            _log(f"recorded run {o.run_id} in {records.path_for(root, o.target.rb.name).relative_to(root)}")
+        _log(f"executed notebook: {o.notebook.relative_to(root)}")
     _refresh_docs(root, [o.target.rb.name for o in outcomes if o.run_id])
     rows = []
     for o in outcomes:
