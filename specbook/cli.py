@@ -12,10 +12,10 @@ from typing import Any
 import click
 
 from specbook import SpecbookError, provenance, records
+from specbook.execute import Target, target
 from specbook.execute import run as run_target
-from specbook.execute import target
 from specbook.runbooks import discover, find_root, load, parse_cli
-from specbook.verify import DRIFTED, FAILED, STALE, Verdict, age, exit_code, status, verify
+from specbook.verify import DRIFTED, FAILED, STALE, Verdict, age, drift, exit_code, status, verify
 
 EXIT_CODES = """\b
 Exit codes:
@@ -168,13 +168,11 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, force
     _emit(as_json, rows, text)
 
 
-def _closure(t) -> set[str]:
+def _closure(t: Target) -> set[str]:
     return {t.rb.name}.union(*(_closure(d) for d in t.upstream.values()))
 
 
 def _change(old: dict | None, value: float) -> str:
-    from specbook.verify import drift
-
     if old is None:
         return "new"
     return drift(old, value) or "within tolerance"
