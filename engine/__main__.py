@@ -72,8 +72,9 @@ def model_options(f: Callable) -> Callable:
         click.option("--device", default=None, help="cpu or cuda [default: cuda when available, else cpu]."),
         click.option("--dtype", default=None, help="float32 | bfloat16 | float16 (fp32/bf16/fp16) "
                                                    "[default: bf16 on cuda, fp32 on cpu]."),
-        click.option("--max-seq-len", default=2048, show_default=True, type=int,
-                     help="KV-cache length: prompt + new tokens must fit."),
+        click.option("--max-seq-len", default=None, type=int,
+                     help="KV-cache length: prompt + new tokens must fit [default: generate 2048; bench: what the "
+                          "run needs, rounded up to 128 - attention reads the whole cache]."),
         click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
                      help="Replay the decode step as a CUDA graph (no effect on cpu)."),
         click.option("--compile", "compile_", is_flag=True,
@@ -96,13 +97,19 @@ def model_options(f: Callable) -> Callable:
     return f
 
 
+def default_device(device: str | None) -> str:
+    import torch
+
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def load_engine(target, shape, device, dtype, max_seq_len, cuda_graphs, compile_, seed, drafter, steps, topk,
                 draft_tokens, eager_verify):
     import torch
 
     from engine.runtime import Engine
 
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(device)
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     return Engine.load(target=target, shape=shape, drafter=drafter, device=device, dtype=dtype,
                        max_seq_len=max_seq_len, cuda_graphs=cuda_graphs, steps=steps, topk=topk,
@@ -123,7 +130,7 @@ def generate(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, igno
     """Generate from a prompt; prints the text, the token ids, tok/s and ms per token."""
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids IDS")
-    eng = load_engine(**load)
+    eng = load_engine(**{**load, "max_seq_len": load["max_seq_len"] or 2048})
     ids = eng.encode(prompt) if prompt is not None else prompt_ids
     r = eng.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                      stop_ids=() if ignore_eos else eng.eos_ids, seed=load["seed"])
@@ -155,9 +162,12 @@ def bench(prompt_len, new_tokens, repeats, sizes, eager, peer, profile, as_json,
     from engine.bench import BenchConfig, format_table, run_bench
 
     # --compile adds a "compiled" decode row; the engine itself stays plain so "graph" is the uncompiled step
+    import torch
+
     cfg = BenchConfig(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, sizes=tuple(sizes),
                       eager=eager, peer=peer, compile=load.pop("compile_"), seed=load["seed"], profile=profile)
-    eng = load_engine(**load, compile_=False)
+    cfg = cfg.resolve(torch.device(default_device(load["device"])))
+    eng = load_engine(**{**load, "max_seq_len": load["max_seq_len"] or cfg.cache_len()}, compile_=False)
     r = run_bench(eng, cfg)
     click.echo(json.dumps(r.to_dict()) if as_json else format_table(r))
 

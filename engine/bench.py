@@ -37,6 +37,12 @@ class BenchConfig:
         return BenchConfig(**{**asdict(self), "prompt_len": self.prompt_len or (128 if cuda else 16),
                               "new_tokens": self.new_tokens or (256 if cuda else 32)})
 
+    def cache_len(self) -> int:
+        """The KV-cache length a run needs (after resolve), rounded up to 128. Attention reads the whole static
+        cache every step, so a larger one only adds cost."""
+        need = self.prompt_len + max(self.new_tokens, max(self.sizes))
+        return -(-need // 128) * 128
+
 
 @dataclass
 class DecodeStat:
@@ -55,6 +61,7 @@ class BenchResult:
     graphs: bool  # whether "graph" really replayed CUDA graphs (False on CPU: it ran eagerly)
     prompt_len: int
     new_tokens: int
+    max_seq_len: int  # KV-cache length: attention reads all of it every step
     weight_bytes: int  # read per decode token
     copy_gb_s: float  # device copy bandwidth, read + write bytes per second / 1e9
     decode: dict[str, DecodeStat] = field(default_factory=dict)  # "graph", "compiled", "eager", "speculative"
@@ -181,14 +188,14 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
     model = eng.model
     device = model.device
     cfg = cfg.resolve(device)
+    if min(cfg.sizes) <= 0 or cfg.repeats <= 0 or cfg.new_tokens < 2 or cfg.prompt_len <= 0:
+        raise EngineError("prompt length, sizes and repeats must be positive and new tokens at least 2")
     need = cfg.prompt_len + max(cfg.new_tokens, max(cfg.sizes))
     if need > eng.max_seq_len:
         raise EngineError(f"the benchmark needs a cache of {need} tokens; raise --max-seq-len above {eng.max_seq_len}")
-    if min(cfg.sizes) <= 0 or cfg.repeats <= 0 or cfg.new_tokens < 2:
-        raise EngineError("sizes and repeats must be positive and new tokens at least 2")
     graphs = device.type == "cuda"
     res = BenchResult(model=eng.name, device=str(device), dtype=str(model.dtype).removeprefix("torch."),
-                      graphs=graphs, prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens,
+                      graphs=graphs, prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens, max_seq_len=eng.max_seq_len,
                       weight_bytes=model.weight_bytes(), copy_gb_s=copy_bandwidth(device))
     prompt = prompt_ids(model.cfg.vocab_size, cfg.prompt_len, cfg.seed)
     stat = lambda dec: decode_stat(dec, prompt, cfg, res.weight_bytes, res.copy_gb_s)  # noqa: E731
@@ -214,8 +221,8 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
 
 def format_table(r: BenchResult) -> str:
     gb = r.weight_bytes / 1e9
-    lines = [f"{r.model} on {r.device} ({r.dtype}), prompt {r.prompt_len}, {r.new_tokens} new tokens, "
-             f"weights read per token {gb:.3f} GB, copy bandwidth {r.copy_gb_s:.1f} GB/s",
+    lines = [f"{r.model} on {r.device} ({r.dtype}), prompt {r.prompt_len}, {r.new_tokens} new tokens, cache "
+             f"{r.max_seq_len}, weights read per token {gb:.3f} GB, copy bandwidth {r.copy_gb_s:.1f} GB/s",
              "", f"{'decode':<22}{'tok/s':>10}{'ms/token':>10}{'bw util':>9}{'accept':>8}"]
     for name, d in r.decode.items():
         label = name if r.graphs or name != "graph" else "graph (eager on cpu)"

@@ -10,9 +10,9 @@
 # re-measured by `runbook verify` on the same hardware profile.
 #
 # The first shape of `shapes` is the main one: its metrics have plain names (`decode_tok_s`, ...); every further
-# shape records the same metrics with its name as a suffix (`decode_tok_s.llama-3.2-1b`). With `torch_compile` the step's
-# forward also runs through torch.compile inside the same hand-captured CUDA graph (`compiled_decode_tok_s`): the
-# plain graph launches every small op (norms, RoPE, cache writes) as its own kernel; inductor fuses them.
+# shape records the same metrics with its name as a suffix (`decode_tok_s.llama-3.2-1b`). With `torch_compile` the
+# step's forward also runs through torch.compile inside the same hand-captured CUDA graph (`compiled_decode_tok_s`):
+# the plain graph launches every small op (norms, RoPE, cache writes) as its own kernel; inductor fuses them.
 #
 # ```yaml
 # title: Baseline decode tok/s (graph vs eager, bandwidth, forward cost per T, transformers peer)
@@ -24,8 +24,7 @@
 #   cpu: {shapes: [small, tiny], device: cpu, dtype: float32, prompt_len: 16, new_tokens: 32, repeats: 3,
 #         threads: 1, rel_tol: 0.75}
 #   h200: {shapes: [llama-3.1-8b, llama-3.2-1b], device: cuda, dtype: bfloat16, prompt_len: 128, new_tokens: 256,
-#          repeats: 5, sizes: [1, 2, 4, 8, 16, 32, 64], max_seq_len: 1024, torch_compile: true, profile: true,
-#          rel_tol: 0.1}
+#          repeats: 3, sizes: [1, 2, 4, 8, 16, 32, 64], torch_compile: true, profile: true, rel_tol: 0.1}
 # timeout: 3600
 # cell_timeout: 2400
 # ```
@@ -41,7 +40,7 @@ sizes = [1, 2, 4, 8]  # token counts T of the forward-cost sweep (must include 1
 peer = True  # also time transformers' generate on the same weights
 torch_compile = False  # also time the decode step compiled by torch.compile inside our CUDA graph
 profile = False  # print a kernel-level profile of eager decode steps (where the step's time goes)
-max_seq_len = 512
+max_seq_len = 0  # KV-cache length; 0: what the run needs (attention reads the whole static cache every step)
 threads = 0  # CPU intra-op threads (0: torch's default); on shared cores more threads only contend
 rel_tol = 0.75  # relative tolerance of the timings: shared CPU cores are noisy, a dedicated GPU is not
 
@@ -58,9 +57,10 @@ if threads:
     torch.set_num_threads(threads)
 results = {}
 for shape in shapes:
-    eng = Engine.load(shape=shape, device=device, dtype=dtype, max_seq_len=max_seq_len)
-    results[shape] = run_bench(eng, BenchConfig(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats,
-                                                sizes=tuple(sizes), peer=peer, compile=torch_compile, profile=profile))
+    cfg = BenchConfig(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, sizes=tuple(sizes), peer=peer,
+                      compile=torch_compile, profile=profile)
+    eng = Engine.load(shape=shape, device=device, dtype=dtype, max_seq_len=max_seq_len or cfg.cache_len())
+    results[shape] = run_bench(eng, cfg)
     print(format_table(results[shape]), end="\n\n")
     del eng  # free the weights and graphs before the next shape
     gc.collect()
