@@ -8,7 +8,8 @@ latent is expanded per head instead, so that SDPA's fused kernels keep memory li
 
 The routed experts are two stacked parameters ([E, 2I, H] and [E, H, I], the layout transformers 5 uses in memory);
 the `stack` attribute tells `model.hf_to_internal` how the per-expert checkpoint tensors map onto them. Routing and
-expert compute are loop-free over experts, so decode and verify are graph-capturable.
+expert compute are loop-free over experts, so decode and verify are graph-capturable: inference runs one grouped
+GEMM per projection over the token-expert pairs sorted by expert; training runs every expert and zeroes the rest.
 """
 from __future__ import annotations
 
@@ -26,9 +27,6 @@ from engine.model import MLP, RMSNorm
 from engine.rope import apply_rope
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3 builds q_a/kv_a layernorms with the default eps, not rms_norm_eps
-# Gathering the active experts' weights copies them (read, write, read again): past this many gathered experts per
-# routed expert it is cheaper to run every expert once over all tokens and zero the unrouted ones.
-GATHER_LIMIT = 1 / 3
 
 
 def _yarn_mscale(scale: float, mscale: float) -> float:
@@ -186,18 +184,40 @@ class Experts(nn.Module):
                 + self.down_proj[0].numel() * self.down_proj.element_size())
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """x [N, H]; weights, idx [N, k] -> [N, H]. Shapes depend only on N, so each N captures once."""
+        """x [N, H]; weights, idx [N, k] -> [N, H]."""
+        if torch.is_grad_enabled() or not grouped_mm_ok(x):
+            return self._all_experts(x, weights, idx)
+        return self._grouped(x, weights, idx)
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Token-expert pairs sorted by expert, one grouped GEMM per projection: each active expert's weights are
+        read once and inactive ones not at all, with no host sync (histogram by scatter_add, offsets on device)."""
         N, k = idx.shape
-        E = self.gate_up_proj.shape[0]
-        if N * k <= GATHER_LIMIT * E:  # decode: gather the few active experts
-            gate, up = torch.einsum("nh,nkoh->nko", x, self.gate_up_proj[idx]).chunk(2, dim=-1)
-            y = torch.einsum("nki,nkhi->nkh", F.silu(gate) * up, self.down_proj[idx])
-            return (y * weights[..., None]).sum(1).to(x.dtype)
-        # many tokens: every expert over every token, unrouted pairs weighted by zero
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=flat.dtype, device=x.device)
+        offs = counts.scatter_add_(0, flat, torch.ones_like(flat)).cumsum(0, dtype=torch.int32)
+        gate, up = F.grouped_mm(x[order // k], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        ys = F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)
+        y = torch.empty_like(ys).index_copy_(0, order, ys).view(N, k, -1)  # back to (token, slot) order
+        return (y * weights[..., None]).sum(1).to(x.dtype)
+
+    def _all_experts(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Every expert over every token, unrouted pairs weighted by zero: differentiable and loop-free (training,
+        and devices without a sync-free grouped GEMM)."""
         gate, up = torch.einsum("nh,eoh->eno", x, self.gate_up_proj).chunk(2, dim=-1)
         y = torch.einsum("eni,ehi->enh", F.silu(gate) * up, self.down_proj)
-        dense = torch.zeros(N, E, dtype=weights.dtype, device=x.device).scatter_(1, idx, weights)
+        dense = torch.zeros(idx.shape[0], y.shape[0], dtype=weights.dtype, device=x.device).scatter_(1, idx, weights)
         return torch.einsum("enh,ne->nh", y.float(), dense).to(x.dtype)
+
+
+def grouped_mm_ok(x: torch.Tensor) -> bool:
+    """Where torch's grouped GEMM runs without a host sync: CPU, and bf16 on Hopper/Blackwell (other CUDA cases
+    fall back to a loop over offsets copied to the host, which would break graph capture)."""
+    if x.device.type == "cpu":
+        return True
+    return (x.device.type == "cuda" and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device)[0] in (9, 10))
 
 
 class MoE(nn.Module):
