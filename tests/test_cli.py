@@ -162,3 +162,24 @@ def test_generate_and_bench_with_a_drafter(tmp_path, model_dir):
     assert out["spec"]["steps"] == 2 and out["decode"]["speculative"]["accept_length"] >= 1.0
     bad = run("generate", *common, "--prompt", "x", "--drafter", str(tmp_path / "missing"))
     assert_bad_input(bad, "missing")
+
+
+def test_tokenizer_json_is_used_for_text(tmp_path, model_dir):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from engine.runtime import Engine
+
+    d = copy_dir(model_dir, tmp_path / "m")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(["hello world, hello there"] * 20, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(d / "tokenizer.json"))
+    eng = Engine.load(target=str(d), max_seq_len=64)
+    ids = eng.encode("hello world")
+    assert ids == tok.encode("hello world").ids and len(ids) < len("hello world")  # merges, not bytes
+    assert eng.decode(ids) == "hello world"
+    r = run("generate", "--target", str(d), "--prompt", "hello world", "--max-new-tokens", "4", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["prompt_len"] == len(ids), r.stderr
+    (d / "tokenizer.json").write_text("{not json")
+    assert_bad_input(run("generate", "--target", str(d), "--prompt", "x"), "tokenizer.json", "unreadable")
