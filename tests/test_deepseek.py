@@ -333,3 +333,16 @@ def test_graph_decode_and_verify_equal_eager_on_cuda():
     call = CapturedCall(lambda input_ids, input_pos: m(input_ids, input_pos)[0], inputs)
     assert call.captured
     torch.testing.assert_close(call(**inputs), want, atol=2e-2, rtol=2e-2)  # bf16; cuBLAS may pick other kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_experts_on_cuda_match_all_experts():
+    experts = engine_model(tiny()).layers[1].mlp.experts.to("cuda", torch.bfloat16)
+    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    weights = torch.rand(8, 3, device="cuda")
+    idx = torch.stack([torch.randperm(16)[:3] for _ in range(8)]).cuda()
+    with torch.no_grad():
+        grouped = experts(x, weights, idx)
+    assert deepseek.grouped_mm_ok(x) == (torch.cuda.get_device_capability()[0] in (9, 10))
+    torch.testing.assert_close(grouped, experts(x, weights, idx).detach(), atol=2e-2, rtol=2e-2)
