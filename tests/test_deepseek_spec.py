@@ -7,7 +7,7 @@ import torch
 from engine.drafter import new_drafter
 from engine.generate import Generator
 from engine.speculate import SpecDecoder
-from tests.test_deepseek import YARN, engine_model, one_thread, tiny  # noqa: F401 (fixture)
+from test_deepseek import YARN, engine_model, one_thread, tiny  # noqa: F401 (fixture)
 
 
 @pytest.fixture(scope="module")
