@@ -180,7 +180,7 @@ except ImportError:  # the serve extra (fastapi, uvicorn) is not installed
 else:
     cli.add_command(serve_command, "serve")
 try:
-    from engine.train import train_command  # noqa: F401 - engine/train exposes its click group here
+    from engine.train import train_command
 except ImportError:
     pass
 else:

@@ -14,7 +14,7 @@ import torch
 
 from engine.errors import EngineError
 from engine.generate import Generator, sync
-from engine.graphs import GraphSet
+from engine.graphs import CapturedCall, GraphSet
 from engine.loading import save_model
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -66,6 +66,7 @@ class BenchResult:
     copy_gb_s: float  # device copy bandwidth, read + write bytes per second / 1e9
     decode: dict[str, DecodeStat] = field(default_factory=dict)  # "graph", "compiled", "eager", "speculative"
     forward_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # "graph" / "eager" -> T -> ms
+    gemv_ms: float | None = None  # every linear layer's weight times one token, nothing else (dense models)
     peer_tok_s: float | None = None  # transformers generate, static cache, greedy
     spec: dict | None = None  # speculative settings when a drafter was given
     profile: str | None = None  # torch.profiler table of eager decode steps
@@ -143,6 +144,21 @@ def forward_costs(model, start: int, sizes: tuple[int, ...], graphs: bool) -> di
 
 
 @torch.no_grad()
+def gemv_floor_ms(model) -> float:
+    """ms for the decode step's matrix-vector products alone: each linear layer's weight (shared ones once) times
+    one token's input, back to back in one CUDA graph (eagerly on CPU). What a step costs beyond it is attention,
+    norms, RoPE, cache writes, sampling and launch gaps."""
+    weights = list({id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}.values())
+    xs = {f"x{i}": torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for i, w in enumerate(weights)}
+
+    def gemvs(**x: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.nn.functional.linear(x[f"x{i}"], w) for i, w in enumerate(weights)]
+
+    call = CapturedCall(gemvs, xs, enabled=model.device.type == "cuda")
+    return 1000 * time_fn(call, model.device, iters=20 if model.device.type == "cuda" else 3)
+
+
+@torch.no_grad()
 def peer_tok_s(model, prompt: list[int], new_tokens: int, repeats: int) -> float:
     """transformers' greedy generate with its static cache on the same weights (saved and reloaded in HF format).
     Decode-only tok/s: (n - 1) / (time(n tokens) - time(1 token)), so its prefill is excluded as ours is."""
@@ -205,6 +221,8 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
     if cfg.eager:
         res.decode["eager"] = stat(Generator(model, eng.max_seq_len, cuda_graphs=False))
     res.forward_ms["graph" if graphs else "eager"] = forward_costs(model, cfg.prompt_len, cfg.sizes, graphs)
+    if not model.cfg.n_routed_experts:  # MoE experts are not nn.Linear: the floor would leave them out
+        res.gemv_ms = gemv_floor_ms(model)
     if graphs and cfg.eager:
         res.forward_ms["eager"] = forward_costs(model, cfg.prompt_len, cfg.sizes, False)
     if eng.speculative:
@@ -230,6 +248,10 @@ def format_table(r: BenchResult) -> str:
     if r.peer_tok_s:
         lines.append(f"{'transformers static':<22}{r.peer_tok_s:>10.1f}{1000 / r.peer_tok_s:>10.3f}"
                      f"   ours/theirs {r.peer_ratio:.2f}x")
+    if r.gemv_ms:
+        over = r.decode["graph"].ms_per_token - r.gemv_ms
+        lines.append(f"{'matrix-vector floor':<22}{1000 / r.gemv_ms:>10.1f}{r.gemv_ms:>10.3f}"
+                     f"   the graph step spends {over:.3f} ms/token beyond it")
     if "speculative" in r.decode:
         lines.append(f"speculative {r.spec}: {r.decode['speculative'].tok_s / r.decode['graph'].tok_s:.2f}x "
                      "the graph baseline")

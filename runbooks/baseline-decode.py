@@ -115,6 +115,9 @@ def record_shape(r, suffix: str) -> None:
     # ratios of two times measured in the same run are steadier than either time: half the tolerance
     record(f"t8_over_t1{suffix}", r.t8_over_t1, unit="x", direction="lower", rel_tol=rel_tol / 2,
            description=f"{r.model}: cost of a forward of 8 tokens relative to 1")
+    if r.gemv_ms:
+        record(f"gemv_floor_ms{suffix}", r.gemv_ms, unit="ms", direction="lower", rel_tol=rel_tol,
+               description=f"{r.model}: every weight matrix times one token, nothing else (the step's floor)")
     if r.peer_tok_s:
         record(f"peer_tok_s{suffix}", r.peer_tok_s, unit="tok/s", direction="higher", rel_tol=rel_tol,
                description=f"{r.model}: transformers generate, static cache, greedy, same weights and prompt")

@@ -135,6 +135,7 @@ def test_bench_reports_consistent_numbers_on_cpu():
     assert r.copy_gb_s > 0 and r.peer_tok_s > 0 and r.peer_ratio == pytest.approx(r.decode["graph"].tok_s /
                                                                                    r.peer_tok_s)
     assert r.t8_over_t1 == pytest.approx(r.forward_ms["eager"][8] / r.forward_ms["eager"][1])
+    assert 0 < r.gemv_ms
     assert r.to_dict()["peer_ratio"] == r.peer_ratio
     with pytest.raises(EngineError, match="max-seq-len"):
         run_bench(eng, BenchConfig(prompt_len=60, new_tokens=8, peer=False))

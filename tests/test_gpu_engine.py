@@ -83,3 +83,4 @@ def test_engine_bf16_and_bench_on_cuda():
     assert b.graphs and set(b.forward_ms) == {"graph", "eager"} and b.copy_gb_s > 100
     assert 0 < b.decode["graph"].bw_util < 1.2 and b.peer_tok_s > 0
     assert b.decode["graph"].tok_s > b.decode["eager"].tok_s  # graph replay beats per-kernel launches
+    assert 0 < b.gemv_ms < b.decode["graph"].ms_per_token  # the matrix work alone is a floor
