@@ -13,7 +13,6 @@ GEMM per projection over the token-expert pairs sorted by expert; training runs 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -24,13 +23,9 @@ from engine.cache import MLACache
 from engine.config import ModelConfig
 from engine.errors import EngineError
 from engine.model import MLP, RMSNorm
-from engine.rope import apply_rope
+from engine.rope import apply_rope, yarn_mscale
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3 builds q_a/kv_a layernorms with the default eps, not rms_norm_eps
-
-
-def _yarn_mscale(scale: float, mscale: float) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -38,7 +33,7 @@ def softmax_scale(cfg: ModelConfig) -> float:
     scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
     s = cfg.rope_scaling or {}
     if s.get("rope_type", "default") != "default" and s.get("mscale_all_dim"):
-        scale *= _yarn_mscale(s["factor"], s["mscale_all_dim"]) ** 2
+        scale *= yarn_mscale(s["factor"], s["mscale_all_dim"]) ** 2
     return scale
 
 
@@ -71,7 +66,7 @@ class MLAttention(nn.Module):
         self.shape_fields = {
             "wa.weight": f"{fused}, kv_lora_rank, qk_rope_head_dim", "q_a_layernorm.weight": "q_lora_rank",
             "q_b_proj.weight": "q_lora_rank, num_attention_heads, qk_nope_head_dim, qk_rope_head_dim",
-            "kv_a_proj_with_mqa.weight": "kv_lora_rank, qk_rope_head_dim", "kv_a_layernorm.weight": "kv_lora_rank",
+            "kv_a_layernorm.weight": "kv_lora_rank",
             "kv_b_proj.weight": "kv_lora_rank, num_attention_heads, qk_nope_head_dim, v_head_dim",
             "o_proj.weight": "num_attention_heads, v_head_dim",
         }

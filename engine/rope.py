@@ -22,7 +22,7 @@ def _llama3_scaling(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -48,9 +48,9 @@ def _yarn_scaling(inv_freq: torch.Tensor, s: dict, dim: int, base: float, max_po
     if attn_factor is None:
         m, m_all = s.get("mscale"), s.get("mscale_all_dim")
         if m and m_all:
-            attn_factor = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all)
+            attn_factor = yarn_mscale(factor, m) / yarn_mscale(factor, m_all)
         else:
-            attn_factor = _yarn_mscale(factor)
+            attn_factor = yarn_mscale(factor)
     return inv, float(attn_factor)
 
 
