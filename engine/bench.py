@@ -173,9 +173,11 @@ def peer_tok_s(model, prompt: list[int], new_tokens: int, repeats: int) -> float
         hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                     cache_implementation="static", pad_token_id=0)
 
+    def median_s(n: int) -> float:
+        return statistics.median(time_fn(lambda: run(n), model.device, iters=1, warmup=0) for _ in range(repeats))
+
     run(1), run(new_tokens)  # warm-up: transformers compiles the static-cache decode on CUDA
-    median = lambda n: statistics.median(time_fn(lambda: run(n), model.device, 1, 0) for _ in range(repeats))  # noqa
-    one, full = median(1), median(new_tokens)
+    one, full = median_s(1), median_s(new_tokens)
     del hf
     if model.device.type == "cuda":
         torch.cuda.empty_cache()

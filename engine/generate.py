@@ -163,8 +163,8 @@ class Generator:
         return self._calls[sampling]
 
     @torch.no_grad()
-    def begin(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams, seed: int
-               ) -> tuple[CapturedCall, int, float]:
+    def begin(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams,
+              seed: int) -> tuple[CapturedCall, int, float]:
         """Capture (once), seed, prefill and load the decode buffers. Returns the decode step (a call without
         arguments that samples the next token into `state.out`), the prompt length and the prefill seconds."""
         ids = prompt_tensor(prompt_ids, self.model.cfg.vocab_size, self.device)
