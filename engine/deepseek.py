@@ -208,11 +208,13 @@ class Experts(nn.Module):
 
 def grouped_mm_ok(x: torch.Tensor) -> bool:
     """Where torch's grouped GEMM runs without a host sync: CPU, and bf16 on Hopper/Blackwell (other CUDA cases
-    fall back to a loop over offsets copied to the host, which would break graph capture)."""
-    if x.device.type == "cpu":
-        return True
-    return (x.device.type == "cuda" and x.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device)[0] in (9, 10))
+    fall back to a loop over offsets copied to the host, which would break graph capture). torch.compile traces
+    it in bf16 only."""
+    if x.dtype != torch.bfloat16:
+        return x.device.type == "cpu" and not torch.compiler.is_compiling()
+    if x.device.type == "cuda":
+        return torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+    return x.device.type == "cpu"
 
 
 class MoE(nn.Module):
