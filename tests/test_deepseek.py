@@ -346,3 +346,16 @@ def test_grouped_experts_on_cuda_match_all_experts():
         grouped = experts(x, weights, idx)
     assert deepseek.grouped_mm_ok(x) == (torch.cuda.get_device_capability()[0] in (9, 10))
     torch.testing.assert_close(grouped, experts(x, weights, idx).detach(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_decode_traces_as_one_graph(dtype):
+    """Generator(compile=True) compiles the forward with fullgraph=True: no graph breaks in MLA or MoE."""
+    torch._dynamo.reset()
+    m = engine_model(tiny(num_hidden_layers=2)).to(dtype)
+    m.setup_caches(16)
+    m(torch.tensor([[1, 2, 3]]), torch.arange(3))
+    compiled = torch.compile(m, fullgraph=True, dynamic=False, backend="eager")
+    got = compiled(torch.tensor([[4]]), torch.tensor([3]))[0]
+    torch.testing.assert_close(got, m(torch.tensor([[4]]), torch.tensor([3]))[0], atol=1e-5, rtol=0)
