@@ -49,8 +49,8 @@ class Mix:
 
 
 MIXES = {
-    "A": Mix("A", {"stdlib": 0.85, "packages": 0.15}, "stdlib-heavy: stands for Kimi-K2's training data"),
-    "B": Mix("B", {"stdlib": 0.2, "packages": 0.8}, "shifted to installed packages: Kimi-K2.5's further training"),
+    "A": Mix("A", {"stdlib": 0.5, "packages": 0.5}, "stdlib-heavy: stands for Kimi-K2's training data"),
+    "B": Mix("B", {"stdlib": 0.1, "packages": 0.9}, "shifted to installed packages: Kimi-K2.5's further training"),
 }
 
 
@@ -108,16 +108,19 @@ def manifest_hash(files: tuple[SourceFile, ...] | None = None) -> str:
 
 
 def select(mix: str, split: str, max_bytes: int, files: tuple[SourceFile, ...] | None = None) -> list[SourceFile]:
-    """Files of one split for a mix: each group fills its share of max_bytes in digest order (deterministic)."""
+    """Files of one split for a mix: each group fills its share of the bytes in digest order (deterministic). When a
+    group has fewer bytes than its share of max_bytes, the total shrinks so that the shares still hold."""
     if split not in SPLITS:
         raise EngineError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
     m = get_mix(mix)
     files = scan() if files is None else files
     if not files:
         raise EngineError("empty corpus: no Python source files found in the standard library or site-packages")
+    have = {g: sum(f.size for f in files if f.group == g and f.split == split) for g in m.weights}
+    total = min([max_bytes] + [have[g] / share for g, share in m.weights.items() if share > 0])
     chosen: list[SourceFile] = []
     for group, share in m.weights.items():
-        budget = share * max_bytes
+        budget = share * total
         for f in files:
             if budget <= 0:
                 break
