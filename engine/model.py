@@ -52,14 +52,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 slots: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape
-        sizes = [n for _, n in self.split["wqkv"]]
-        q, k, v = self.wqkv(x).split(sizes, dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k = k.view(B, T, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
-        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, Hkv, T, D]
+        H, Hkv = self.n_heads, self.n_kv
+        qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, self.head_dim)  # q, k and v heads side by side
+        if self.q_norm is not None:  # Qwen3: per-head norms before RoPE
+            qk = torch.cat([self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H:H + Hkv])], dim=2)
+        else:
+            qk = qkv[:, :, :H + Hkv]
+        q, k = apply_rope(qk.transpose(1, 2), cos, sin).split([H, Hkv], dim=1)  # one rotation for q and k
+        v = qkv[:, :, H + Hkv:].transpose(1, 2)  # [B, Hkv, T, D]
         if self.cache is not None:
             k, v = self.cache.update(slots, k, v)  # [B, Hkv, S, D]
         y = grouped_attention(q, k, v, mask)

@@ -82,4 +82,4 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x [B, H, T, D]; cos/sin [T, D] gathered at the tokens' positions."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    return (x * cos + rotated * sin).to(x.dtype)  # float32 cos/sin promote the products: no casting kernels
