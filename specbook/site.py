@@ -79,28 +79,27 @@ def badge(verdict: str) -> str:
 
 
 def history_svg(rows: list[Row]) -> str:
-    """Small multiples: each metric's recorded history, with the tolerance band around the current value."""
+    """Every metric's recorded history on one axes, relative to its current value (1.0 = now), so a group's trends
+    read at a glance; one axes keeps the build fast where small multiples per metric took seconds each."""
     import matplotlib  # noqa: PLC0415 - heavy, only needed when the site is built
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    cols = min(len(rows), 4)
-    nrows = -(-len(rows) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.2 * cols, 2.2 * nrows), squeeze=False)
-    for ax in axes.flat[len(rows):]:
-        ax.axis("off")
-    for ax, row in zip(axes.flat, rows):
+    fig, ax = plt.subplots(figsize=(8, 3))
+    runs = 1
+    for row in rows:
         values = [h["value"] for h in row.history] or [row.value]
-        x = range(1, len(values) + 1)
-        tol = max(row.tolerance.get("rel", 0.0) * abs(row.value), row.tolerance.get("abs", 0.0))
-        ax.axhspan(row.value - tol, row.value + tol, color="tab:green", alpha=0.15, lw=0)
-        ax.plot(x, values, marker="o", color="tab:blue")
-        ax.set_title(f"{row.metric} ({row.unit})", fontsize=9)
-        ax.set_xticks(list(x))
-        ax.set_xlabel("run", fontsize=8)
-        ax.tick_params(labelsize=7)
-    fig.tight_layout()
+        if row.value == 0:
+            continue
+        runs = max(runs, len(values))
+        ax.plot(range(1, len(values) + 1), [v / row.value for v in values], marker="o", label=row.metric)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(1, runs + 1))
+    ax.set_xlabel("recorded run")
+    ax.set_ylabel("value / current value")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    fig.subplots_adjust(left=0.09, right=0.7, bottom=0.17, top=0.95)
     buf = io.StringIO()
     fig.savefig(buf, format="svg", metadata={"Date": None})
     plt.close(fig)
@@ -190,13 +189,13 @@ def llms_txt(root: Path | str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def llms_full_txt(root: Path | str) -> str:
+def llms_full_txt(root: Path | str, dashboard_text: str) -> str:
     root = Path(root)
     parts = [llms_txt(root)]
     for path, meta, body in _pages(root):
         parts.append(f"\n---\n\n<!-- page: docs/{path} status: {meta.get('status')} updated: {meta.get('updated')} -->"
                      f"\n\n{body.strip()}\n")
-    parts.append("\n---\n\n" + dashboard(root)[0])
+    parts.append("\n---\n\n" + dashboard_text)
     return "".join(parts)
 
 
@@ -216,7 +215,7 @@ def on_files(files, config):
     for path, svg in plots.items():
         files.append(File.generated(config, path, content=svg))
     files.append(File.generated(config, "llms.txt", content=llms_txt(root)))
-    files.append(File.generated(config, "llms-full.txt", content=llms_full_txt(root)))
+    files.append(File.generated(config, "llms-full.txt", content=llms_full_txt(root, text)))
     return files
 
 
