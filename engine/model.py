@@ -231,7 +231,7 @@ def _stack(out: dict[str, torch.Tensor], prefix: str, mod: nn.Module, name: str,
     n = getattr(mod, name).shape[0]
     field = getattr(mod, "stack_field", "the config")
     keys = [[f"{prefix}.{t.format(e=e)}" for t in templates] for e in range(n)]
-    if not any(k in out for k in keys[0]):
+    if not any(k in out for row in keys for k in row):
         return  # already stacked in the checkpoint (or absent: load_state names it)
     missing = [k for row in keys for k in row if k not in out]
     if missing:

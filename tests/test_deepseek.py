@@ -17,16 +17,8 @@ from engine.model import Transformer
 
 transformers = pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 1e-4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core machine: intra-op threads only contend (30x slower measured)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def tiny(**over) -> ModelConfig:
@@ -301,6 +293,17 @@ def test_q_lora_in_config_but_not_in_weights(tmp_path):
     _edit(tmp_path, config={"q_lora_rank": 32})
     with pytest.raises(EngineError, match=r"missing tensor .*q_lora_rank"):
         load_model(tmp_path)
+
+
+def test_cli_reports_a_missing_expert_in_one_line(ckpt):
+    from click.testing import CliRunner
+
+    from engine.__main__ import cli
+
+    _edit(ckpt, drop=["model.layers.1.mlp.experts.0.down_proj.weight"])
+    r = CliRunner().invoke(cli, ["generate", "--target", str(ckpt), "--prompt-ids", "1,2", "--device", "cpu"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert r.stderr.strip().count("\n") == 0 and "experts.0.down_proj.weight" in r.stderr
 
 
 @pytest.mark.parametrize("field,value", [("topk_method", "greedy"), ("scoring_func", "softmax"), ("n_group", 3),

@@ -7,7 +7,9 @@ import torch
 from engine.drafter import new_drafter
 from engine.generate import Generator
 from engine.speculate import SpecDecoder
-from test_deepseek import YARN, engine_model, one_thread, tiny  # noqa: F401 (fixture)
+from test_deepseek import YARN, engine_model, tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
