@@ -92,8 +92,9 @@ class MLAttention(nn.Module):
         q_nope, q_rope = q.view(B, T, H, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent, k_rope = kv.split([self.rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)  # [B, T, R]
-        q_rope = self._rope(q_rope.transpose(1, 2), cos, sin)  # [B, H, T, Dr]
-        k_rope = self._rope(k_rope, cos, sin)  # [B, T, Dr]
+        # the shared rope key rides along as one more head: a single rotation for q and k
+        qk_rope = self._rope(torch.cat([q_rope.transpose(1, 2), k_rope[:, None]], dim=1), cos, sin)
+        q_rope, k_rope = qk_rope[:, :H], qk_rope[:, H]  # [B, H, T, Dr], [B, T, Dr]
         if self.cache is None:
             y = self._expanded(q_nope, q_rope, latent, k_rope, mask)
         else:
