@@ -85,7 +85,8 @@ class BenchResult:
 
 
 def time_fn(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 2) -> float:
-    """Seconds per call of fn: CUDA events around `iters` back-to-back calls, after warm-up."""
+    """Seconds per call of fn after warm-up: on CUDA the mean of `iters` back-to-back calls between two events; on
+    CPU the median of `iters` timed calls, since other processes on shared cores make single calls slow."""
     for _ in range(warmup):
         fn()
     sync(device)
@@ -97,10 +98,12 @@ def time_fn(fn: Callable[[], object], device: torch.device, iters: int, warmup: 
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1000 / iters
-    t0 = time.perf_counter()
+    times = []
     for _ in range(iters):
+        t0 = time.perf_counter()
         fn()
-    return (time.perf_counter() - t0) / iters
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -130,7 +133,7 @@ def decode_stat(decoder, prompt: list[int], cfg: BenchConfig, weight_bytes: int,
 def forward_costs(model, start: int, sizes: tuple[int, ...], graphs: bool) -> dict[int, float]:
     """ms per forward of T tokens at positions start.. (cache reads and writes included), one graph per T."""
     device = model.device
-    iters = 20 if device.type == "cuda" else 3
+    iters = 20 if device.type == "cuda" else 5
 
     def make_inputs(t: int) -> dict[str, torch.Tensor]:
         return {"input_ids": torch.randint(0, model.cfg.vocab_size, (1, t), device=device),
@@ -155,7 +158,7 @@ def gemv_floor_ms(model) -> float:
         return [torch.nn.functional.linear(x[f"x{i}"], w) for i, w in enumerate(weights)]
 
     call = CapturedCall(gemvs, xs, enabled=model.device.type == "cuda")
-    return 1000 * time_fn(call, model.device, iters=20 if model.device.type == "cuda" else 3)
+    return 1000 * time_fn(call, model.device, iters=20 if model.device.type == "cuda" else 5)
 
 
 @torch.no_grad()

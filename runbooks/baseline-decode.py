@@ -112,8 +112,7 @@ def record_shape(r, suffix: str) -> None:
            description=f"{r.model}: one forward of 1 token")
     record(f"forward_ms_t8{suffix}", f[8], unit="ms", direction="lower", rel_tol=rel_tol,
            description=f"{r.model}: one forward of 8 tokens")
-    # ratios of two times measured in the same run are steadier than either time: half the tolerance
-    record(f"t8_over_t1{suffix}", r.t8_over_t1, unit="x", direction="lower", rel_tol=rel_tol / 2,
+    record(f"t8_over_t1{suffix}", r.t8_over_t1, unit="x", direction="lower", rel_tol=rel_tol,
            description=f"{r.model}: cost of a forward of 8 tokens relative to 1")
     if r.gemv_ms:
         record(f"gemv_floor_ms{suffix}", r.gemv_ms, unit="ms", direction="lower", rel_tol=rel_tol,
@@ -121,7 +120,7 @@ def record_shape(r, suffix: str) -> None:
     if r.peer_tok_s:
         record(f"peer_tok_s{suffix}", r.peer_tok_s, unit="tok/s", direction="higher", rel_tol=rel_tol,
                description=f"{r.model}: transformers generate, static cache, greedy, same weights and prompt")
-        record(f"peer_ratio{suffix}", r.peer_ratio, unit="x", direction="higher", rel_tol=rel_tol / 2,
+        record(f"peer_ratio{suffix}", r.peer_ratio, unit="x", direction="higher", rel_tol=rel_tol,
                description=f"{r.model}: our graph decode tok/s over transformers'")
     record(f"weight_gb{suffix}", r.weight_bytes / 1e9, unit="GB", direction="none",
            description=f"{r.model}: weight bytes read per decode token (deterministic: a change means the model "
