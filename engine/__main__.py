@@ -39,7 +39,8 @@ class Cli(click.Group):
         except Exception as e:
             if "--debug" in argv:
                 raise
-            click.echo(f"error: {type(e).__name__}: {e} (internal failure; rerun with --debug for the traceback)",
+            first = (str(e).strip().splitlines() or [""])[0]  # CUDA errors span many lines
+            click.echo(f"error: {type(e).__name__}: {first} (internal failure; rerun with --debug for the traceback)",
                        err=True)
             sys.exit(EXIT_FAILURE)
         sys.exit(rc if isinstance(rc, int) else 0)
