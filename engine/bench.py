@@ -4,6 +4,7 @@ transformers' own static-cache `generate` on the same weights as the peer. With 
 """
 from __future__ import annotations
 
+import re
 import statistics
 import tempfile
 import time
@@ -70,6 +71,7 @@ class BenchResult:
     peer_tok_s: float | None = None  # transformers generate, static cache, greedy
     spec: dict | None = None  # speculative settings when a drafter was given
     profile: str | None = None  # torch.profiler table of eager decode steps
+    step_ms: dict[str, float] | None = None  # kernel time per eager step: matrix, attention, other; kernel count
 
     @property
     def t8_over_t1(self) -> float | None:
@@ -187,9 +189,16 @@ def peer_tok_s(model, prompt: list[int], new_tokens: int, repeats: int) -> float
     return (new_tokens - 1) / max(full - one, 1e-9)
 
 
-def profile_decode(model, max_seq_len: int, prompt: list[int], steps: int = 16, rows: int = 25) -> str:
-    """Kernel-level table of `steps` eager decode steps, sorted by self device time. The graph replays the same
-    kernels; what it removes is the launch gaps between them, so the table shows what fusion could still win."""
+KERNEL_KINDS = (("attention", re.compile(r"attention|fmha|flash|softmax", re.I)),  # checked first: cutlass fmha
+                ("matrix", re.compile(r"gemm|gemv|xmma|cublas|cutlass|aten::(mm|addmm|bmm)$", re.I)))
+
+
+def profile_decode(model, max_seq_len: int, prompt: list[int], steps: int = 16,
+                   rows: int = 25) -> tuple[str, dict[str, float]]:
+    """Kernel-level table of `steps` eager decode steps, sorted by self device time, and the kernel time per step
+    by kind (matrix, attention, other) with the kernel count. The graph replays the same kernels without the launch
+    gaps between them, so "other" is what fusing the small ops could still win."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from engine.sampling import SamplingParams
@@ -201,7 +210,15 @@ def profile_decode(model, max_seq_len: int, prompt: list[int], steps: int = 16, 
             step()
         sync(model.device)
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
-    return f"{steps} eager decode steps\n" + prof.key_averages().table(sort_by=sort, row_limit=rows)
+    events = prof.key_averages()
+    per_step = {"matrix": 0.0, "attention": 0.0, "other": 0.0, "kernels": 0.0}
+    for e in events:  # on CUDA only the kernels themselves (ops would count their kernels twice); on CPU the ops
+        if cuda and e.device_type != DeviceType.CUDA:
+            continue
+        kind = next((k for k, rx in KERNEL_KINDS if rx.search(e.key)), "other")
+        per_step[kind] += (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1000 / steps
+        per_step["kernels"] += e.count / steps
+    return f"{steps} eager decode steps\n" + events.table(sort_by=sort, row_limit=rows), per_step
 
 
 def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
@@ -236,7 +253,7 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
         res.spec = {"steps": shape.steps, "topk": shape.topk, "draft_tokens": shape.draft_tokens,
                     "eager_verify": eng.decoder.eager_verify}
     if cfg.profile:
-        res.profile = profile_decode(model, eng.max_seq_len, prompt)
+        res.profile, res.step_ms = profile_decode(model, eng.max_seq_len, prompt)
     if cfg.peer:
         res.peer_tok_s = peer_tok_s(model, prompt, cfg.new_tokens, cfg.repeats)
     return res
@@ -266,6 +283,9 @@ def format_table(r: BenchResult) -> str:
         lines.append(f"{name:<12}" + "".join(f"{f[t]:>9.3f}" for t in sizes))
     if r.t8_over_t1 is not None:
         lines.append(f"T=8 / T=1 forward cost: {r.t8_over_t1:.2f}x")
-    if r.profile:
-        lines += ["", r.profile]
+    if r.step_ms:
+        m = r.step_ms
+        lines += ["", f"eager step, kernel time: matrix {m['matrix']:.3f} ms, attention {m['attention']:.3f} ms, "
+                      f"other {m['other']:.3f} ms ({m['kernels']:.0f} {'kernels' if r.graphs else 'ops'} per step)",
+                  r.profile]
     return "\n".join(lines)

@@ -117,6 +117,10 @@ def record_shape(r, suffix: str) -> None:
     if r.gemv_ms:
         record(f"gemv_floor_ms{suffix}", r.gemv_ms, unit="ms", direction="lower", rel_tol=rel_tol,
                description=f"{r.model}: every weight matrix times one token, nothing else (the step's floor)")
+    if r.step_ms:  # where an eager step's kernel time goes (the profiler); the graph removes the gaps between them
+        for kind in ("matrix", "attention", "other"):
+            record(f"step_{kind}_ms{suffix}", r.step_ms[kind], unit="ms", direction="lower", rel_tol=rel_tol,
+                   description=f"{r.model}: {kind} kernel time of one eager decode step")
     if r.peer_tok_s:
         record(f"peer_tok_s{suffix}", r.peer_tok_s, unit="tok/s", direction="higher", rel_tol=rel_tol,
                description=f"{r.model}: transformers generate, static cache, greedy, same weights and prompt")
