@@ -58,6 +58,8 @@ class Engine:
             raise EngineError("give exactly one of a target directory (--target) or a random-weight shape (--shape)")
         if max_seq_len <= 1:
             raise EngineError(f"max_seq_len must be at least 2, got {max_seq_len}")
+        if compile and drafter is not None:
+            raise EngineError("--compile applies to the target-alone decode step; it cannot be combined with --drafter")
         dev, dt = resolve_device(device), resolve_dtype(dtype)
         if target is not None:
             model, tokenizer, name = load_model(target, dev, dt), load_tokenizer(Path(target)), str(target)
