@@ -31,7 +31,7 @@ from engine.errors import EngineError
 from engine.loading import load_model, read_config, resolve_dtype
 from engine.model import Transformer
 from engine.train import corpus, loop
-from engine.train.data import batch_at, eval_batches, token_stream
+from engine.train.data import batch_at, token_stream
 from engine.train.presets import DrafterRun
 from engine.train.target import autocast, file_digest, make_optimizer
 from engine.train.tokenizer import load_tokenizer, save_tokenizer, tokenizer_hash
@@ -111,15 +111,15 @@ def ttt_loss(drafter: Eagle3Drafter, x: torch.Tensor, tg: Targets, steps: int, d
     T = x.shape[1]
     pos = torch.arange(T, device=x.device)
     total = x.new_zeros((), dtype=torch.float32)
-    accs: list[float] = []
+    accs: list[torch.Tensor] = []
     for j, logits in enumerate(ttt_logits(drafter, x, tg.features, steps)):
         valid = (pos < T - 1 - j)[None, :] & _shift(tg.in_draft, j + 1)  # [B, T]
         ce = -(_shift(tg.probs, j + 1) * logits.log_softmax(-1)).sum(-1)  # [B, T]
         n = valid.sum().clamp(min=1)
         total = total + decay ** j * (ce * valid).sum() / n
         hit = drafter.draft_to_target(logits.argmax(-1)) == _shift(tg.argmax, j + 1)
-        accs.append(((hit & valid).sum() / n).item())
-    return total, accs
+        accs.append((hit & valid).sum() / n)
+    return total, torch.stack(accs).tolist()  # one host sync for all steps
 
 
 @dataclass
@@ -190,8 +190,9 @@ def train_drafter(out_dir: str | Path, run: DrafterRun, target_dir: str | Path, 
     sched = loop.Schedule(run.steps, run.lr, run.warmup, run.min_lr_ratio, run.grad_clip, run.ckpt_every)
     log = loop.train(out, params, drafter, opt, sched, step_fn, f"drafter {out.name} ({run.mix})",
                      evaluate if eval_fn else None, eval_every)
-    save_drafter(drafter.eval(), out, dtype=resolve_dtype(save_dtype))
-    save_tokenizer(tok, out)
+    with loop.disk_errors(out):
+        save_drafter(drafter.eval(), out, dtype=resolve_dtype(save_dtype))
+        save_tokenizer(tok, out)
     loop.finish(out, log)
     return _result(out, log)
 
@@ -227,18 +228,3 @@ def _result(out: Path, log: loop.TrainLog) -> DrafterResult:
     tail = max(1, len(h["loss"]) // 20)
     accs = [sum(h[k][-tail:]) / tail for k in sorted((k for k in h if k.startswith("acc_")), key=lambda k: int(k[4:]))]
     return DrafterResult(out, log.final_loss, accs, log)
-
-
-@torch.no_grad()
-def validation_accuracy(drafter: Eagle3Drafter, target: Transformer, tok, mix: str, run: DrafterRun,
-                        n_batches: int = 4) -> list[float]:
-    """Per-step TTT top-1 accuracy on the validation split: a cheap proxy for accept length."""
-    ids = token_stream(tok, corpus.texts(mix, "validation", max(run.data_bytes // 10, 200_000)))
-    accs = torch.zeros(run.ttt_steps)
-    batches = eval_batches(ids, n_batches, run.batch_size, run.seq_len - 1)
-    for b in batches:
-        b = b.to(drafter.device)
-        with autocast(drafter.device):
-            _, a = ttt_loss(drafter, b, target_outputs(target, drafter, b), run.ttt_steps, run.step_decay)
-        accs += torch.tensor(a)
-    return (accs / len(batches)).tolist()

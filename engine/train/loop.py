@@ -7,6 +7,7 @@ state of an uninterrupted one. Resuming with other parameters is refused: the ch
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -14,7 +15,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -59,6 +60,10 @@ def params_hash(params: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _why(e: OSError) -> str:
+    return "disk full" if e.errno == errno.ENOSPC else e.strerror or str(e)
+
+
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """write(tmp) then os.replace: a reader sees the old file or the new one, never half of one.
     Disk full (or any OSError) leaves the previous file intact and becomes one clear error."""
@@ -68,9 +73,18 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        why = "disk full" if e.errno == errno.ENOSPC else e.strerror or str(e)
         kept = "; the previous one is intact" if path.exists() else ""
-        raise EngineError(f"{why} while writing {path}{kept}") from None
+        raise EngineError(f"{_why(e)} while writing {path}{kept}") from None
+
+
+@contextlib.contextmanager
+def disk_errors(where: Path) -> Iterator[None]:
+    """Final checkpoint writes (each file replaced atomically by its writer): an OSError becomes one clear error;
+    the resume state stays, so the run can be finished again once there is room."""
+    try:
+        yield
+    except OSError as e:
+        raise EngineError(f"{_why(e)} while saving the finished model to {where}; rerun to retry") from None
 
 
 def _diff(old: dict[str, Any], new: dict[str, Any]) -> str:

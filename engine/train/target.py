@@ -124,8 +124,9 @@ def train_target(out_dir: str | Path, run: TargetRun, tokenizer_dir: str | Path,
     sched = loop.Schedule(run.steps, run.lr, run.warmup, run.min_lr_ratio, run.grad_clip, run.ckpt_every)
     desc = f"target {out.name} ({run.mix})"
     log = loop.train(out, params, model, opt, sched, step_fn, desc, eval_fn, run.eval_every or run.steps)
-    save_model(model.eval(), out, dtype=resolve_dtype(save_dtype))
-    save_tokenizer(tok, out)
+    with loop.disk_errors(out):
+        save_model(model.eval(), out, dtype=resolve_dtype(save_dtype))
+        save_tokenizer(tok, out)
     loop.finish(out, log)
     return _result(out, model.cfg, log)
 
