@@ -90,6 +90,28 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
+# ## Where the step's time goes
+#
+# The matrix-vector floor is every weight matrix times one token and nothing else, back to back in one graph: what a
+# decode step would cost if attention, norms, RoPE, cache writes and sampling were free. The gap between it and the
+# graph step is what fusion (the compiled variant) and a better attention kernel can still win; with `profile` the
+# eager step's kernel time is split by kind.
+
+# %%
+print(f"{'shape':<16}{'graph tok/s':>12}{'compiled':>10}{'floor':>8}{'beyond floor ms':>17}{'best bw util':>14}"
+      f"{'T8/T1':>7}{'vs HF':>7}")
+for shape, r in results.items():
+    g, c = r.decode["graph"], r.decode.get("compiled")
+    best = c if c and c.tok_s > g.tok_s else g
+    floor = 1000 / r.gemv_ms if r.gemv_ms else float("nan")
+    beyond = best.ms_per_token - r.gemv_ms if r.gemv_ms else float("nan")
+    print(f"{shape:<16}{g.tok_s:>12.1f}{c.tok_s if c else float('nan'):>10.1f}{floor:>8.1f}{beyond:>17.3f}"
+          f"{best.bw_util:>14.1%}{r.t8_over_t1:>7.2f}{r.peer_ratio or float('nan'):>7.2f}")
+    if r.step_ms:
+        print(f"{'':<16}eager step kernels: " + ", ".join(f"{k} {v:.3f} ms" for k, v in r.step_ms.items()
+                                                          if k != "kernels") + f", {r.step_ms['kernels']:.0f} kernels")
+
+# %% [markdown]
 # ## Recorded numbers
 
 # %%
