@@ -22,7 +22,7 @@
 # depends: []
 # profiles:
 #   cpu: {shapes: [small, tiny], device: cpu, dtype: float32, prompt_len: 16, new_tokens: 32, repeats: 3,
-#         threads: 1, rel_tol: 0.75}
+#         threads: 1, profile: true, rel_tol: 0.75}
 #   h200: {shapes: [llama-3.1-8b, llama-3.2-1b], device: cuda, dtype: bfloat16, prompt_len: 128, new_tokens: 256,
 #          repeats: 3, sizes: [1, 2, 4, 8, 16, 32, 64], torch_compile: true, profile: true, rel_tol: 0.1}
 # timeout: 3600
