@@ -71,6 +71,7 @@ class BenchResult:
     peer_tok_s: float | None = None  # transformers generate, static cache, greedy
     spec: dict | None = None  # speculative settings when a drafter was given
     profile: str | None = None  # torch.profiler table of eager decode steps
+    compile_error: str | None = None  # why the compiled variant could not run, when it could not
     step_ms: dict[str, float] | None = None  # kernel time per eager step: matrix, attention, other; kernel count
 
     @property
@@ -239,7 +240,10 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
     stat = lambda dec: decode_stat(dec, prompt, cfg, res.weight_bytes, res.copy_gb_s)  # noqa: E731
     res.decode["graph"] = stat(Generator(model, eng.max_seq_len, cuda_graphs=True))
     if cfg.compile:
-        res.decode["compiled"] = stat(Generator(model, eng.max_seq_len, cuda_graphs=True, compile=True))
+        try:
+            res.decode["compiled"] = stat(Generator(model, eng.max_seq_len, cuda_graphs=True, compile=True))
+        except Exception as e:  # an optional extra: say why it failed rather than lose the run's other numbers
+            res.compile_error = f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0]
     if cfg.eager:
         res.decode["eager"] = stat(Generator(model, eng.max_seq_len, cuda_graphs=False))
     res.forward_ms["graph" if graphs else "eager"] = forward_costs(model, cfg.prompt_len, cfg.sizes, graphs)
@@ -267,6 +271,8 @@ def format_table(r: BenchResult) -> str:
     for name, d in r.decode.items():
         label = name if r.graphs or name != "graph" else "graph (eager on cpu)"
         lines.append(f"{label:<22}{d.tok_s:>10.1f}{d.ms_per_token:>10.3f}{d.bw_util:>8.1%}{d.accept_length:>8.2f}")
+    if r.compile_error:
+        lines.append(f"{'compiled':<22}failed: {r.compile_error}")
     if r.peer_tok_s:
         lines.append(f"{'transformers static':<22}{r.peer_tok_s:>10.1f}{1000 / r.peer_tok_s:>10.3f}"
                      f"   ours/theirs {r.peer_ratio:.2f}x")

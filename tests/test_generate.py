@@ -143,3 +143,14 @@ def test_bench_reports_consistent_numbers_on_cpu():
     assert r.to_dict()["peer_ratio"] == r.peer_ratio
     with pytest.raises(EngineError, match="max-seq-len"):
         run_bench(eng, BenchConfig(prompt_len=60, new_tokens=8, peer=False))
+
+
+def test_bench_reports_a_failed_compile_and_keeps_the_other_numbers(monkeypatch):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("inductor unavailable\ndetails")
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    eng = Engine.load(shape="tiny", max_seq_len=64)
+    r = run_bench(eng, BenchConfig(prompt_len=8, new_tokens=8, repeats=1, sizes=(1,), eager=False, peer=False,
+                                   compile=True))
+    assert r.compile_error == "RuntimeError: inductor unavailable" and set(r.decode) == {"graph"}
