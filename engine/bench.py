@@ -10,6 +10,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -19,6 +20,7 @@ from engine.graphs import CapturedCall, GraphSet
 from engine.loading import save_model
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
+T = TypeVar("T")
 
 
 @dataclass
@@ -71,7 +73,7 @@ class BenchResult:
     peer_tok_s: float | None = None  # transformers generate, static cache, greedy
     spec: dict | None = None  # speculative settings when a drafter was given
     profile: str | None = None  # torch.profiler table of eager decode steps
-    compile_error: str | None = None  # why the compiled variant could not run, when it could not
+    errors: dict[str, str] = field(default_factory=dict)  # optional measurements that failed: name -> why
     step_ms: dict[str, float] | None = None  # kernel time per eager step: matrix, attention, other; kernel count
 
     @property
@@ -222,6 +224,16 @@ def profile_decode(model, max_seq_len: int, prompt: list[int], steps: int = 16,
     return f"{steps} eager decode steps\n" + events.table(sort_by=sort, row_limit=rows), per_step
 
 
+def attempt(res: BenchResult, name: str, measure: Callable[[], T]) -> T | None:
+    """An optional measurement (torch.compile, the transformers peer): its value, or None with the reason noted in
+    res.errors, so that one failing extra does not lose the other numbers of a long run."""
+    try:
+        return measure()
+    except Exception as e:
+        res.errors[name] = f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0]
+        return None
+
+
 def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
     """`eng` is a runtime.Engine; its model is benchmarked, and its decoder too when it is speculative."""
     model = eng.model
@@ -239,11 +251,9 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
     prompt = prompt_ids(model.cfg.vocab_size, cfg.prompt_len, cfg.seed)
     stat = lambda dec: decode_stat(dec, prompt, cfg, res.weight_bytes, res.copy_gb_s)  # noqa: E731
     res.decode["graph"] = stat(Generator(model, eng.max_seq_len, cuda_graphs=True))
-    if cfg.compile:
-        try:
-            res.decode["compiled"] = stat(Generator(model, eng.max_seq_len, cuda_graphs=True, compile=True))
-        except Exception as e:  # an optional extra: say why it failed rather than lose the run's other numbers
-            res.compile_error = f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0]
+    if cfg.compile and (compiled := attempt(
+            res, "compiled", lambda: stat(Generator(model, eng.max_seq_len, cuda_graphs=True, compile=True)))):
+        res.decode["compiled"] = compiled
     if cfg.eager:
         res.decode["eager"] = stat(Generator(model, eng.max_seq_len, cuda_graphs=False))
     res.forward_ms["graph" if graphs else "eager"] = forward_costs(model, cfg.prompt_len, cfg.sizes, graphs)
@@ -259,7 +269,8 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
     if cfg.profile:
         res.profile, res.step_ms = profile_decode(model, eng.max_seq_len, prompt)
     if cfg.peer:
-        res.peer_tok_s = peer_tok_s(model, prompt, cfg.new_tokens, cfg.repeats)
+        res.peer_tok_s = attempt(res, "transformers static",
+                                 lambda: peer_tok_s(model, prompt, cfg.new_tokens, cfg.repeats))
     return res
 
 
@@ -271,8 +282,7 @@ def format_table(r: BenchResult) -> str:
     for name, d in r.decode.items():
         label = name if r.graphs or name != "graph" else "graph (eager on cpu)"
         lines.append(f"{label:<22}{d.tok_s:>10.1f}{d.ms_per_token:>10.3f}{d.bw_util:>8.1%}{d.accept_length:>8.2f}")
-    if r.compile_error:
-        lines.append(f"{'compiled':<22}failed: {r.compile_error}")
+    lines += [f"{name:<22}failed: {why}" for name, why in r.errors.items()]
     if r.peer_tok_s:
         lines.append(f"{'transformers static':<22}{r.peer_tok_s:>10.1f}{1000 / r.peer_tok_s:>10.3f}"
                      f"   ours/theirs {r.peer_ratio:.2f}x")

@@ -153,4 +153,4 @@ def test_bench_reports_a_failed_compile_and_keeps_the_other_numbers(monkeypatch)
     eng = Engine.load(shape="tiny", max_seq_len=64)
     r = run_bench(eng, BenchConfig(prompt_len=8, new_tokens=8, repeats=1, sizes=(1,), eager=False, peer=False,
                                    compile=True))
-    assert r.compile_error == "RuntimeError: inductor unavailable" and set(r.decode) == {"graph"}
+    assert r.errors == {"compiled": "RuntimeError: inductor unavailable"} and set(r.decode) == {"graph"}
