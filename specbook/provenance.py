@@ -107,6 +107,15 @@ def _git(root: Path, *args: str) -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
+def _git_state(root: Path) -> tuple[str | None, bool]:
+    """Commit and dirty flag. A copy of the working tree without .git (a lent GPU machine) gets them from
+    SPECBOOK_GIT_COMMIT / SPECBOOK_GIT_DIRTY, set by whoever sent the copy."""
+    commit = _git(root, "rev-parse", "HEAD")
+    if commit is not None:
+        return commit, bool(_git(root, "status", "--porcelain"))
+    return os.environ.get("SPECBOOK_GIT_COMMIT"), os.environ.get("SPECBOOK_GIT_DIRTY", "0") not in ("", "0")
+
+
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -152,9 +161,10 @@ def fingerprint(root: Path, runbook_source: str | None = None, params: dict | No
                 inputs: dict[str, str] | None = None) -> dict[str, Any]:
     """Provenance of a run on this machine (docs/architecture.md, Records)."""
     names = gpus()
+    commit, dirty = _git_state(root)
     fp: dict[str, Any] = {
-        "git_commit": _git(root, "rev-parse", "HEAD"),
-        "git_dirty": bool(_git(root, "status", "--porcelain")),
+        "git_commit": commit,
+        "git_dirty": dirty,
         "runbook_hash": sha(runbook_source) if runbook_source is not None else None,
         "params_hash": sha(canonical(params)) if params is not None else None,
         "engine_hash": engine_hash(root),
