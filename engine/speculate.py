@@ -337,3 +337,38 @@ class Clock:
         now = time.perf_counter()
         dt, self.t = now - self.t, now
         return dt
+
+
+@dataclass
+class CycleStats:
+    """Decode speed of one decoder over a set of prompts (the median of `repeats` passes), and the per-cycle split
+    from one extra pass with synchronised phases."""
+    tok_s: float
+    samples: list[float]  # tok/s of each pass
+    ms_per_cycle: float  # target forwards after the prefill: decode steps for the baseline, verify cycles here
+    accept_length: float
+    draft_ms: float
+    verify_ms: float
+    other_ms: float
+    token_ids: list[list[int]]  # the outputs of the last pass, per prompt
+
+
+def cycle_stats(decoder, prompts: list[list[int]], new_tokens: int, repeats: int = 3, seed: int = 0,
+                sampling: SamplingParams = SamplingParams()) -> CycleStats:
+    """Works for Generator and SpecDecoder alike; the first call captures graphs and is not timed."""
+    decoder.generate(prompts[0], min(new_tokens, 8), sampling, seed=seed)
+    passes = []
+    for _ in range(repeats):
+        runs = [decoder.generate(p, new_tokens, sampling, seed=seed) for p in prompts]
+        tokens, secs = sum(r.decode_tokens for r in runs), sum(r.decode_s for r in runs)
+        passes.append((tokens / secs, secs, sum(r.verify_cycles for r in runs), runs))
+    tok_s, secs, cycles, runs = sorted(passes, key=lambda x: x[0])[len(passes) // 2]
+    timed = [decoder.generate(p, new_tokens, sampling, seed=seed, timed_phases=True) for p in prompts]
+    n = sum(r.verify_cycles for r in timed)
+
+    def per_cycle(attr: str) -> float:
+        return 1e3 * sum(getattr(r, attr) for r in timed) / n
+
+    return CycleStats(tok_s, [p[0] for p in passes], 1e3 * secs / cycles,
+                      sum(r.decode_tokens for r in runs) / cycles, per_cycle("draft_s"), per_cycle("verify_s"),
+                      per_cycle("other_s"), [r.token_ids for r in runs])

@@ -1,0 +1,121 @@
+# %% [markdown]
+# # What a speculation cycle costs, and the accept length it needs to pay off
+#
+# A speculative cycle is worth it when it emits more tokens than the baseline could decode in the same time:
+# with a cycle of C ms and a decode step of D ms, the break-even accept length is C / D. This runbook sweeps the
+# chain length k = 1..`max_steps` (k draft steps, a verify of k + 1 tokens) and a few trees (topk > 1 with a
+# budget of draft tokens), measures draft, verify and bookkeeping per cycle against a baseline decode step, and
+# gives the break-even accept length with the verify forward captured in a CUDA graph and run eagerly.
+#
+# The game plan's regression in these terms: an eager verify made its 2-step cycle cost ~30 ms, far above what an
+# accept length of 2-3 could pay for. Drafter and target are random weights of `shape` (speed does not depend on
+# the values); a random drafter is rejected almost always, so every cycle's draft-extend is one token long.
+#
+# ```yaml
+# title: Verify cost - draft, verify and cycle ms vs a decode step; break-even accept length, eager vs graph
+# reproduces: [decode_step_ms, breakeven.k7, eager_breakeven.k7, verify_over_step.k7]
+# feeds: [findings.md]
+# depends: []
+# profiles:
+#   cpu: {shape: tiny, device: cpu, dtype: float32, max_steps: 8, trees: [[3, 2, 6], [4, 4, 12]], prompt_len: 16,
+#         new_tokens: 32, repeats: 3, rel_tol: 1.0}
+#   h200: {shape: llama-3.1-8b, device: cuda, dtype: bfloat16, max_steps: 8,
+#          trees: [[4, 4, 16], [6, 4, 32], [7, 8, 64]], prompt_len: 128, new_tokens: 128, repeats: 3, rel_tol: 0.15}
+# timeout: 3600
+# cell_timeout: 3000
+# ```
+
+# %% tags=["parameters"]
+shape = "tiny"
+device = "cpu"
+dtype = "float32"
+max_steps = 8  # chains of k = 1 .. max_steps draft steps
+trees = [[3, 2, 6], [4, 4, 12]]  # [steps, topk, draft_tokens] of each tree
+prompt_len = 16
+new_tokens = 32
+repeats = 3
+max_seq_len = 512
+seed = 0
+cpu_threads = 1  # torch threads on CPU: small models on shared cores run fastest on one
+rel_tol = 1.0
+
+# %%
+import torch
+
+from engine.drafter import new_drafter
+from engine.generate import Generator
+from engine.loading import random_model, resolve_device, resolve_dtype
+from engine.speculate import SpecDecoder, cycle_stats
+from specbook import record
+
+dev, dt = resolve_device(device), resolve_dtype(dtype)
+if dev.type == "cpu" and cpu_threads:
+    torch.set_num_threads(cpu_threads)
+graphs = dev.type == "cuda"
+tgt = random_model(shape, dev, dt, seed=seed)
+dft = new_drafter(tgt.cfg, torch.arange(min(32000, tgt.cfg.vocab_size)), embedding=tgt.embed_tokens, seed=seed,
+                  device=dev, dtype=dt)
+g = torch.Generator().manual_seed(seed)
+prompts = [torch.randint(0, tgt.cfg.vocab_size, (prompt_len,), generator=g).tolist()]
+step_ms = cycle_stats(Generator(tgt, max_seq_len, cuda_graphs=graphs), prompts, new_tokens, repeats, seed).ms_per_cycle
+print(f"{shape} on {dev} {dtype}: baseline decode step {step_ms:.2f} ms")
+
+# %%
+configs = [(f"k{k}", k, 1, k + 1) for k in range(1, max_steps + 1)]
+configs += [(f"tree{k}x{K}n{n}", k, K, n) for k, K, n in trees]
+rows = {}
+for name, k, K, n in configs:
+    for mode, eager in (("graph", False), ("eager", True)):
+        st = cycle_stats(SpecDecoder(tgt, dft, max_seq_len, k, K, n, eager_verify=eager), prompts, new_tokens,
+                         repeats, seed)
+        rows[name, mode] = st
+print(f"{'':16}{'mode':>6}{'cycle':>8}{'draft':>8}{'verify':>8}{'other':>8}{'break-even':>12}")
+for (name, mode), st in rows.items():
+    print(f"{name:16}{mode:>6}{st.ms_per_cycle:8.2f}{st.draft_ms:8.2f}{st.verify_ms:8.2f}{st.other_ms:8.2f}"
+          f"{st.ms_per_cycle / step_ms:12.2f}")
+
+# %%
+import matplotlib.pyplot as plt
+
+ks = list(range(1, max_steps + 1))
+fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
+for mode, style in (("graph", "-o"), ("eager", "--s")):
+    a1.plot(ks, [rows[f"k{k}", mode].ms_per_cycle / step_ms for k in ks], style, label=f"chain, {mode} verify")
+    for name, k, K, n in configs[max_steps:]:
+        a1.plot([k], [rows[name, mode].ms_per_cycle / step_ms], "^" if mode == "graph" else "v",
+                label=f"tree topk {K}, {n} tokens, {mode}")
+a1.plot(ks, [k + 1 for k in ks], ":", color="grey", label="most a chain can emit (k + 1)")
+a1.axhline(3.86, color="tab:green", lw=0.8, label="SGLang H200 MT-bench accept length 3.86")
+a1.set_xlabel("draft steps k")
+a1.set_ylabel("break-even accept length (cycle / decode step)")
+a1.legend(fontsize=7)
+for part, color in (("draft_ms", "tab:blue"), ("verify_ms", "tab:orange"), ("other_ms", "tab:grey")):
+    a2.plot(ks, [getattr(rows[f"k{k}", "graph"], part) / step_ms for k in ks], "-o", color=color,
+            label=f"{part.removesuffix('_ms')} (graph verify)")
+a2.plot(ks, [rows[f"k{k}", "eager"].verify_ms / step_ms for k in ks], "--s", color="tab:red", label="verify (eager)")
+a2.set_xlabel("draft steps k")
+a2.set_ylabel("ms per cycle / ms per decode step")
+a2.legend(fontsize=7)
+plt.suptitle(f"{shape}, {dev.type} {dtype}")
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## Recorded numbers
+# `breakeven.<config>` is cycle ms over decode-step ms: the accept length a drafter must reach for speculation to
+# match the baseline. `verify_over_step.<config>` is the verify forward of k + 1 (or n) tokens over a decode step.
+
+# %%
+record("decode_step_ms", step_ms, unit="ms", direction="lower", rel_tol=rel_tol,
+       description=f"{shape}: one baseline decode step")
+for name, k, K, n in configs:
+    gr, ea = rows[name, "graph"], rows[name, "eager"]
+    what = f"{shape}: {k} draft steps, topk {K}, {n} tokens verified"
+    record(f"cycle_ms.{name}", gr.ms_per_cycle, unit="ms", direction="lower", rel_tol=rel_tol,
+           description=f"{what}, graph verify")
+    record(f"breakeven.{name}", gr.ms_per_cycle / step_ms, unit="tokens/cycle", direction="lower",
+           rel_tol=rel_tol / 2, description=f"{what}: break-even accept length, graph verify")
+    record(f"eager_breakeven.{name}", ea.ms_per_cycle / step_ms, unit="tokens/cycle", direction="lower",
+           rel_tol=rel_tol / 2, description=f"{what}: break-even accept length, eager verify")
+    record(f"verify_over_step.{name}", gr.verify_ms / step_ms, unit="x", direction="lower", rel_tol=rel_tol / 2,
+           description=f"{what}: verify forward over a decode step (phases synchronised)")
