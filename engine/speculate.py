@@ -121,6 +121,7 @@ class SpecDecoder:
         self._extend: GraphSet | None = None
         self._build: dict[int, CapturedCall] = {}
         self._verify: dict[tuple[int, SamplingParams], CapturedCall] = {}
+        self._compact: GraphSet | None = None
 
     # ---- the functions the graphs capture ---------------------------------------------------------------
     def _extend_fn(self, feats: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -226,6 +227,13 @@ class SpecDecoder:
             self._draft = {i: CapturedCall(self._draft_fn(i), {"start": st.start}, enabled=on)
                            for i in range(1, self.shape.steps)}
             self._build = {n: CapturedCall(self._build_fn(n), {"start": st.start}, enabled=on) for n in self.inputs}
+
+            def slots(c: int) -> dict[str, torch.Tensor]:
+                return {"src_slots": torch.zeros(c, dtype=torch.long, device=dev),
+                        "dst_slots": torch.zeros(c, dtype=torch.long, device=dev)}
+
+            # one launch instead of four copies per layer; sizes 2..k+1 (an accepted root alone is in place)
+            self._compact = GraphSet(self.target.move_cache, slots, range(2, self.shape.steps + 2), enabled=on)
         for n in self.inputs:
             if (n, sampling) not in self._verify:
                 self._verify[n, sampling] = CapturedCall(self._verify_fn(n, sampling), vars(self.inputs[n]),
@@ -286,9 +294,10 @@ class SpecDecoder:
             if reason == "stop" or done >= max_new_tokens:
                 yield Cycle(tokens, draft_s, verify_s, clock.lap())
                 return
-            if self.shape.topk > 1:  # move the accepted path's K/V into place
+            if self.shape.topk > 1 and c > 1:  # move the accepted path's K/V into place (a chain's already is)
                 root_slot = L - 1 - c
-                self.target.move_cache(path[:c] + root_slot, self.target.slot_ids[root_slot:root_slot + c])
+                self._compact(c, src_slots=path[:c] + root_slot,
+                              dst_slots=self.target.slot_ids[root_slot:root_slot + c])
             accepted = (c, path, emitted, aux)
             yield Cycle(tokens, draft_s, verify_s, clock.lap())
 

@@ -272,3 +272,12 @@ def test_mask_and_accepted_path():
     assert count.item() == 3 and path[:3].tolist() == [0, 2, 4] and emitted[:3].tolist() == [12, 14, 8]
     count, path, emitted = accept(tokens, torch.tensor([5, 0, 0, 0, 0]), parents, depth, anc, 2)
     assert count.item() == 1 and emitted[0].item() == 5
+
+
+@pytest.mark.parametrize("topk,n", [(1, None), (3, 8)])
+def test_mla_moe_target_through_the_model_interface(topk, n):
+    t = random_model("deepseek-v3-tiny", seed=0)
+    with torch.no_grad():
+        t.lm_head.weight.mul_(10)  # clear argmax margins, so chunked and single-token forwards agree
+    d = new_drafter(t.cfg, torch.arange(0, t.cfg.vocab_size, 4), embedding=t.embed_tokens)
+    same_as_target(t, d, 3, topk, n, n_prompts=2, new=16)
