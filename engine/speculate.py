@@ -305,6 +305,7 @@ class SpecDecoder:
                  stop_ids: Sequence[int] = (), seed: int = 0, timed_phases: bool = False) -> GenerationResult:
         """With timed_phases the device is synchronised between phases, so the split is exact but the total
         a little slower."""
+        self._prepare(sampling)  # graph capture is not prefill time
         sync(self.device)
         t0 = time.perf_counter()
         cycles = self._cycles(prompt_ids, max_new_tokens, sampling, tuple(stop_ids), seed, timed_phases)
