@@ -281,3 +281,15 @@ def test_mla_moe_target_through_the_model_interface(topk, n):
         t.lm_head.weight.mul_(10)  # clear argmax margins, so chunked and single-token forwards agree
     d = new_drafter(t.cfg, torch.arange(0, t.cfg.vocab_size, 4), embedding=t.embed_tokens)
     same_as_target(t, d, 3, topk, n, n_prompts=2, new=16)
+
+
+def test_cycle_stats_for_baseline_and_speculation():
+    from engine.speculate import cycle_stats
+
+    t = bigram_target(1.0)
+    ps = prompts(2)
+    base = cycle_stats(Generator(t, 96, cuda_graphs=False), ps, 24, repeats=2)
+    spec = cycle_stats(SpecDecoder(t, drafter_for(t, oracle=True), 96, 3, 1), ps, 24, repeats=2)
+    assert base.token_ids == spec.token_ids and len(base.samples) == 2
+    assert base.accept_length == 1.0 and base.draft_ms == 0.0 and base.verify_ms > 0
+    assert spec.accept_length > 3 and spec.ms_per_cycle > 0 and spec.draft_ms > 0
