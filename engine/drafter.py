@@ -155,10 +155,6 @@ class Eagle3Drafter(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        """Everything but the embedding (frozen as in SpecForge, and usually the target's)."""
-        return [p for n, p in self.named_parameters() if not n.startswith("embed_tokens")]
-
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
@@ -178,10 +174,6 @@ class Eagle3Drafter(nn.Module):
     def drop_caches(self) -> None:
         self.midlayer.self_attn.cache = None
         self.max_seq_len = 0
-
-    @torch.no_grad()
-    def move_cache(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        self.midlayer.self_attn.cache.move(src_slots, dst_slots)
 
     def forward(
         self,
