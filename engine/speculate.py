@@ -220,10 +220,12 @@ class SpecDecoder:
             H3 = 3 * self.drafter.cfg.feature_size
 
             def feats(T: int) -> dict[str, torch.Tensor]:
+                st.start.zero_()  # the two warm-up runs advance start: keep their writes inside the cache
                 return {"feats": torch.zeros(1, T, H3, dtype=self.drafter.dtype, device=dev),
                         "tokens": torch.zeros(1, T, dtype=torch.long, device=dev)}
 
             self._extend = GraphSet(self._extend_fn, feats, range(1, self.shape.steps + 2), enabled=on)
+            st.start.zero_()  # the tree-build and verify warm-ups then write slots 0..N-1
             self._draft = {i: CapturedCall(self._draft_fn(i), {"start": st.start}, enabled=on)
                            for i in range(1, self.shape.steps)}
             self._build = {n: CapturedCall(self._build_fn(n), {"start": st.start}, enabled=on) for n in self.inputs}
