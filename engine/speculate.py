@@ -201,6 +201,7 @@ class SpecDecoder:
         return verify
 
     # ---- setup --------------------------------------------------------------------------------------------
+    @torch.no_grad()
     def _prepare(self, sampling: SamplingParams) -> None:
         """Caches and graphs (captured once per cache allocation; verify once per sampling setting)."""
         if self.target.max_seq_len < self.max_seq_len:
