@@ -133,8 +133,9 @@ record("eagle3_eager_verify_tok_s", e.tok_s, unit="tok/s", rel_tol=rel_tol, samp
 record("speedup", s.tok_s / b.tok_s, unit="x", rel_tol=rel_tol / 2, description=f"{what}: EAGLE-3 over baseline")
 record("eager_verify_speedup", e.tok_s / b.tok_s, unit="x", rel_tol=rel_tol / 2,
        description=f"{what}: EAGLE-3 with eager verify over baseline (below 1 is the game plan's regression)")
-# greedy acceptance depends only on the models and prompts: a tight tolerance (bf16 kernels may flip a near-tie)
-record("accept_length", s.accept_length, unit="tokens/cycle", direction="none", abs_tol=0.1 if graphs else 0.0,
+# greedy acceptance depends only on the models and prompts: a tight tolerance (another CPU's SIMD path or bf16
+# kernels may flip a near-tie)
+record("accept_length", s.accept_length, unit="tokens/cycle", direction="none", abs_tol=0.05,
        description=f"{what}: decode tokens per verify cycle, bonus token included")
 record("exact_match", exact, unit="fraction", direction="none",
        description="prompts whose speculative outputs (graph and eager verify) equal the baseline's greedy output")
