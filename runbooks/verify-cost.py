@@ -40,6 +40,8 @@ cpu_threads = 1  # torch threads on CPU: small models on shared cores run fastes
 rel_tol = 1.0
 
 # %%
+import gc
+
 import torch
 
 from engine.drafter import new_drafter
@@ -66,9 +68,11 @@ configs += [(f"tree{k}x{K}n{n}", k, K, n) for k, K, n in trees]
 rows = {}
 for name, k, K, n in configs:
     for mode, eager in (("graph", False), ("eager", True)):
-        st = cycle_stats(SpecDecoder(tgt, dft, max_seq_len, k, K, n, eager_verify=eager), prompts, new_tokens,
-                         repeats, seed)
-        rows[name, mode] = st
+        rows[name, mode] = cycle_stats(SpecDecoder(tgt, dft, max_seq_len, k, K, n, eager_verify=eager), prompts,
+                                       new_tokens, repeats, seed)
+        gc.collect()  # a decoder's graphs hold device memory; free them before capturing the next
+        if graphs:
+            torch.cuda.empty_cache()
 print(f"{'':16}{'mode':>6}{'cycle':>8}{'draft':>8}{'verify':>8}{'other':>8}{'break-even':>12}")
 for (name, mode), st in rows.items():
     print(f"{name:16}{mode:>6}{st.ms_per_cycle:8.2f}{st.draft_ms:8.2f}{st.verify_ms:8.2f}{st.other_ms:8.2f}"
