@@ -5,7 +5,8 @@
 # because the verify step ran in extend mode without CUDA graphs (~30 ms per cycle). This runbook measures the
 # three configurations side by side in one run with the bundled engine: the target alone (decode step in one CUDA
 # graph), EAGLE-3 with the verify forward run eagerly (the game plan's slow path, on purpose), and EAGLE-3 with
-# every phase captured (drafter steps, drafter extend, tree build, verify). Greedy, batch 1.
+# every phase captured (drafter steps, drafter extend, tree build, verify). Greedy, batch 1. On CPU nothing is
+# captured, so there the two EAGLE-3 rows cost the same and only the speedup from acceptance shows.
 #
 # Models: target A and drafter A of the miniature K2 world (runbooks train-target and train-drafter, whose outputs
 # arrive in `upstream`), or any `target` / `drafter` directories (HF / published EAGLE-3 format). Prompts are the
