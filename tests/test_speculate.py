@@ -78,7 +78,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
             for _ in range(n)]
 
 
-def same_as_target(target, drafter, steps, topk, draft_tokens=None, n_prompts=4, new=32, seq=96, **kw):
+def same_as_target(target, drafter, steps, topk, draft_tokens=None, n_prompts=8, new=32, seq=96, **kw):
     base = Generator(target, seq, cuda_graphs=False)
     spec = SpecDecoder(target, drafter, seq, steps, topk, draft_tokens, **kw)
     results = []
