@@ -193,7 +193,7 @@ def peer_tok_s(model, prompt: list[int], new_tokens: int, repeats: int) -> float
 
 
 KERNEL_KINDS = (("attention", re.compile(r"attention|fmha|flash|softmax", re.I)),  # checked first: cutlass fmha
-                ("matrix", re.compile(r"gemm|gemv|xmma|cublas|cutlass|aten::(mm|addmm|bmm)$", re.I)))
+                ("matrix", re.compile(r"gemm|gemv|xmma|nvjet|cublas|cutlass|splitKreduce|aten::(mm|addmm|bmm)$", re.I)))
 
 
 def profile_decode(model, max_seq_len: int, prompt: list[int], steps: int = 16,
