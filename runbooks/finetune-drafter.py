@@ -2,8 +2,8 @@
 # # Approach A: fine-tune drafter A on a small sample of B's data
 #
 # The game plan's second step: start from the K2 drafter (trained on 1.4M samples) and fine-tune it with the 37K
-# K2.5 samples at hand. In miniature: drafter A is trained further against target B on a small fixed set of
-# windows from mix B (`samples`), its draft vocabulary kept; accept length on B's held-out prompts is measured as
+# K2.5 samples at hand. In miniature: drafter A is trained further against target B on a small set of sequences
+# (`samples`: prompts from mix B answered by target B), its draft vocabulary kept; accept length on B's held-out prompts is measured as
 # training goes (step 0 = plugged in unchanged, approach C's number).
 #
 # `-p target=DIR -p drafter=DIR` fine-tune a real drafter for a real target (DIR = the NEW target).
@@ -24,7 +24,7 @@
 # %% tags=["parameters"]
 preset = "cpu"
 device = "cpu"
-samples = 64  # fixed training windows of mix B (the "37K samples" of the game plan, scaled down)
+samples = 64  # training sequences from mix B, answered by target B (the game plan's "37K samples", scaled down)
 steps: int | None = None  # override the preset's fine-tuning steps
 eval_every: int | None = None  # steps between accept-length measurements [default: steps // 4]
 chain_steps = 7
@@ -56,7 +56,7 @@ torch.set_num_threads(threads)
 torch.manual_seed(0)
 out = Path(outputs_dir or tempfile.mkdtemp(prefix="finetune-drafter-"))
 p = get_preset(preset)
-run = with_overrides(p.finetune, steps=steps)
+run = with_overrides(p.finetune, steps=steps, samples=samples)
 every = eval_every or max(run.steps // 4, 1)
 dir_b = Path(target or Path(upstream["train-target"]) / "target-b")
 dir_d = Path(drafter or Path(upstream["train-drafter"]) / "drafter-a")
@@ -83,7 +83,7 @@ del model_b
 
 # %%
 res = train_drafter(out / "drafter-ft", run, dir_b, init_from=dir_d, device=device, save_dtype=p.dtype,
-                    max_samples=samples, eval_fn=measure, eval_every=every)
+                    eval_fn=measure, eval_every=every)
 curve = [(0, before)] + [(e["step"], e["accept_length"]) for e in res.log.evals]
 for s, a in curve:
     print(f"step {s:5d}: accept length {a:.3f}")
@@ -93,7 +93,7 @@ fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
 ax1.plot(*zip(*curve), marker="o")
 ax1.set_xlabel("fine-tuning step")
 ax1.set_ylabel("accept length on target B")
-ax1.set_title(f"drafter A fine-tuned on {samples} windows of mix B")
+ax1.set_title(f"drafter A fine-tuned on {samples} samples of mix B")
 ax2.plot(res.log.history["loss"])
 ax2.set_xlabel("fine-tuning step")
 ax2.set_ylabel("TTT loss")
@@ -104,7 +104,7 @@ after = curve[-1][1]
 record("accept_before", before, unit="tokens/cycle", direction="none", rel_tol=accept_tol,
        description=f"drafter A on target B before fine-tuning (greedy chain of {chain_steps}, mix B prompts)")
 record("accept_after", after, unit="tokens/cycle", direction="higher", rel_tol=accept_tol,
-       description=f"after {run.steps} fine-tuning steps on {samples} windows of mix B")
+       description=f"after {run.steps} fine-tuning steps on {samples} samples of mix B")
 record("accept_gain", after - before, unit="tokens/cycle", direction="higher", abs_tol=accept_tol * after,
        description="accept length gained by fine-tuning")
 record("finetune_loss", res.final_loss, unit="nats", direction="lower", rel_tol=loss_tol,

@@ -3,8 +3,9 @@
 #
 # The game plan's third option: train a drafter for K2.5 on more data (the K2 drafter's 3.2-3.5 accept length came
 # from 1.4M samples). In miniature: fresh drafters for target B, each trained with the same number of optimizer
-# steps on a different number of fixed training windows of mix B; accept length on B's held-out prompts as a
-# curve. With little data the drafter memorises its windows; the curve shows how fast more data pays.
+# steps on a different number of samples (prompts from mix B answered by target B, as EAGLE regenerates its data);
+# accept length on B's held-out prompts as a curve. With little data the drafter memorises its samples; the curve
+# shows how fast more data pays.
 #
 # `-p target=DIR` runs the sweep for a real target.
 #
@@ -16,7 +17,7 @@
 # inputs: [corpus]
 # profiles:
 #   cpu: {preset: cpu, device: cpu, sample_counts: [16, 128, 1024], steps: 120}
-#   h200: {preset: gpu, device: cuda, sample_counts: [256, 2048, 16384, 131072], steps: 1500}
+#   h200: {preset: gpu, device: cuda, sample_counts: [256, 1024, 4096, 16384], steps: 1500}
 # timeout: 5400
 # cell_timeout: 5000
 # ```
@@ -24,7 +25,7 @@
 # %% tags=["parameters"]
 preset = "cpu"
 device = "cpu"
-sample_counts = [16, 128, 1024]  # fixed training windows per drafter
+sample_counts = [16, 128, 1024]  # training samples (regenerated sequences) per drafter
 steps: int | None = None  # optimizer steps of every drafter (the same for all: only the data changes)
 chain_steps = 7
 eval_prompts: int | None = None
@@ -61,7 +62,8 @@ model_b = load_model(dir_b, device=device, dtype=p.dtype)
 # %%
 results = {}
 for n in sorted(sample_counts):
-    res = train_drafter(out / f"drafter-n{n}", run, dir_b, device=device, save_dtype=p.dtype, max_samples=n)
+    res = train_drafter(out / f"drafter-n{n}", with_overrides(run, samples=n), dir_b, device=device,
+                        save_dtype=p.dtype)
     draft = load_drafter(res.path, model_b)
     results[n] = (accept_length(model_b, draft, prompts, chain_steps, max_new_tokens or p.max_new_tokens), res)
     print(f"{n:8d} samples: accept length {results[n][0]:.3f}, final TTT loss {res.final_loss:.3f}")
@@ -71,19 +73,19 @@ fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
 ns = sorted(results)
 ax1.plot(ns, [results[n][0] for n in ns], marker="o")
 ax1.set_xscale("log")
-ax1.set_xlabel(f"training windows of {run.seq_len} tokens")
+ax1.set_xlabel(f"training samples of {run.seq_len} tokens")
 ax1.set_ylabel("accept length on target B")
 for n in ns:
     ax2.plot(results[n][1].log.history["loss"], label=f"{n} samples")
 ax2.set_xlabel("optimizer step")
-ax2.set_ylabel("TTT loss (training windows)")
+ax2.set_ylabel("TTT loss (training samples)")
 ax2.legend()
 plt.show()
 
 # %%
 for n in ns:
     record(f"accept_n{n}", results[n][0], unit="tokens/cycle", direction="higher", rel_tol=accept_tol,
-           description=f"drafter trained on {n} windows of mix B, {run.steps} steps, greedy chain of {chain_steps}")
+           description=f"drafter trained on {n} samples of mix B, {run.steps} steps, greedy chain of {chain_steps}")
 record("accept_at_min", results[ns[0]][0], unit="tokens/cycle", direction="higher", rel_tol=accept_tol,
        description=f"accept length with the fewest samples ({ns[0]})")
 record("accept_at_max", results[ns[-1]][0], unit="tokens/cycle", direction="higher", rel_tol=accept_tol,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import math
 import os
 import random
 import signal
@@ -177,6 +178,8 @@ def test_deepseek_family_trains_through_the_same_path(world, tmp_path):
     loss = r.log.history["loss"]
     assert sum(loss[-3:]) < sum(loss[:3])
     assert load_model(r.path).cfg.model_type == "deepseek_v3"
+    d = D.train_drafter(tmp_path / "d", drafter_run(steps=3), r.path)  # EAGLE-3 features from an MLA target
+    assert len(d.log.history["loss"]) == 3 and all(map(math.isfinite, d.log.history["loss"]))
 
 
 def test_resume_with_other_parameters_is_refused(tmp_path):
@@ -278,7 +281,22 @@ def test_ttt_steps_equal_sequential_drafting_with_the_kv_cache():
 
 def drafter_run(**kw) -> DrafterRun:
     return DrafterRun(**{**dict(mix="A", steps=30, lr=3e-3, warmup=3, batch_size=4, seq_len=32, data_bytes=10**9,
-                                draft_vocab_size=200, ttt_steps=3, ckpt_every=10), **kw})
+                                draft_vocab_size=200, samples=64, regen_tokens=12, regen_batch=16, ttt_steps=3,
+                                ckpt_every=10), **kw})
+
+
+def test_regenerated_samples_are_the_targets_greedy_answers(world):
+    from engine.generate import Generator
+    from engine.train.data import token_stream
+
+    target = load_model(world["target"].path)
+    stream = token_stream(world["tok"], corpus.texts("A", "train", 10**9))
+    seqs = D.regenerate(target, stream, drafter_run(samples=5, seq_len=24, regen_tokens=8, regen_batch=2))
+    assert seqs.shape == (5, 24)
+    for row in seqs[[0, 4]]:  # a full batch and the last, smaller one
+        g = Generator(target, 64, cuda_graphs=False).generate(row[:16].tolist(), 8)
+        target.drop_caches()
+        assert g.token_ids == row[16:].tolist()
 
 
 def test_drafter_training_lowers_loss_and_saves_the_published_format(world, tmp_path):
@@ -290,9 +308,16 @@ def test_drafter_training_lowers_loss_and_saves_the_published_format(world, tmp_
     keys = set(load_file(r.path / "model.safetensors"))
     assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "d2t", "t2d", "lm_head.weight"} <= keys
     assert "embed_tokens.weight" not in keys
-    # the draft vocabulary is the most frequent ids of the training data
+    # the draft vocabulary is the most frequent ids of the (regenerated) training data
     ids = load_file(r.path / "model.safetensors")["d2t"] + torch.arange(200)
-    assert world["tok"].token_to_id("<|endoftext|>") in ids.tolist()
+    from engine.train.data import token_stream
+
+    seqs = D.regenerate(load_model(world["target"].path), token_stream(world["tok"], corpus.texts("A", "train", 10**9)),
+                        drafter_run())
+    counts = torch.bincount(seqs.flatten(), minlength=world["tok"].get_vocab_size())
+    chosen = torch.zeros_like(counts, dtype=torch.bool)
+    chosen[ids] = True
+    assert counts[chosen].min() >= counts[~chosen].max() and counts.argmax() in ids
     world["drafter"] = r.path
 
 
@@ -306,8 +331,8 @@ def test_finetuning_keeps_the_draft_vocab_and_measures_accept_length_as_it_goes(
         seen.append(draft.training)
         return {"accept_length": D.accept_length(target, draft, prompts, 3, 12)}
 
-    r = D.train_drafter(tmp_path / "ft", drafter_run(steps=6, mix="B", lr=1e-3), world["target"].path,
-                        init_from=world["drafter"], max_samples=4, eval_fn=measure, eval_every=3)
+    r = D.train_drafter(tmp_path / "ft", drafter_run(steps=6, mix="B", lr=1e-3, samples=4), world["target"].path,
+                        init_from=world["drafter"], eval_fn=measure, eval_every=3)
     assert [e["step"] for e in r.log.evals] == [3, 6] and seen == [False, False]
     assert all(1.0 <= e["accept_length"] <= 4.0 for e in r.log.evals)
     before, after = (load_file(d / "model.safetensors") for d in (world["drafter"], r.path))

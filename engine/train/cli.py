@@ -62,19 +62,20 @@ def targets_cmd(out_dir: str, preset: str, device: str | None, family: str, step
               help="Fine-tune this EAGLE-3 drafter instead of starting from scratch (approach A).")
 @click.option("--mix", default=None, help="Corpus mix: A or B [default: the preset's].")
 @click.option("--steps", type=int, default=None, help="Override the optimizer steps.")
-@click.option("--max-samples", type=int, default=None, help="Train on this many fixed windows (approach B).")
+@click.option("--samples", type=int, default=None,
+              help="Training sequences (corpus prompt + the target's answer) [default: the preset's].")
 @click.option("--eval-prompts", type=int, default=None,
               help="Measure accept length (greedy chain, 7 steps) on this many held-out prompts at the end.")
 def drafter_cmd(out_dir: str, target_dir: str, preset: str, device: str | None, init_from: str | None,
-                mix: str | None, steps: int | None, max_samples: int | None, eval_prompts: int | None) -> None:
+                mix: str | None, steps: int | None, samples: int | None, eval_prompts: int | None) -> None:
     """Train an EAGLE-3 drafter for TARGET into OUT_DIR (published format)."""
     from engine.train.drafter import accept_length, prompt_ids, train_drafter
     from engine.train.presets import get_preset, with_overrides
     from engine.train.tokenizer import load_tokenizer
 
     p = get_preset(preset)
-    run = with_overrides(p.finetune if init_from else p.drafter, steps=steps, mix=mix)
-    r = train_drafter(out_dir, run, target_dir, init_from, device or p.device, p.dtype, max_samples)
+    run = with_overrides(p.finetune if init_from else p.drafter, steps=steps, mix=mix, samples=samples)
+    r = train_drafter(out_dir, run, target_dir, init_from, device or p.device, p.dtype)
     row = {"path": str(r.path), "final_loss": round(r.final_loss, 4), "step_acc": [round(a, 3) for a in r.step_acc]}
     if eval_prompts:
         from engine.drafter import load_drafter

@@ -24,22 +24,21 @@ def _windows(stream: torch.Tensor, starts: torch.Tensor, length: int) -> torch.T
     return stream[starts[:, None] + torch.arange(length)[None, :]]
 
 
-def batch_at(stream: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int, pool: int | None = None
-             ) -> torch.Tensor:
-    """[batch_size, seq_len + 1] random windows (inputs and shifted labels) for this step. With `pool`, windows
-    are drawn from that many fixed windows (a data set of `pool` samples) instead of anywhere in the stream."""
-    n = stream.numel() - seq_len - 1
-    if n <= 0:
-        raise EngineError(f"corpus too small: {stream.numel()} tokens for windows of {seq_len + 1}")
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    if pool is None:
-        starts = torch.randint(0, n, (batch_size,), generator=g)
-    else:
-        if pool <= 0:
-            raise EngineError(f"the number of training samples must be positive, got {pool}")
-        fixed = torch.randint(0, n, (pool,), generator=torch.Generator().manual_seed(seed))
-        starts = fixed[torch.randint(0, pool, (batch_size,), generator=g)]
-    return _windows(stream, starts, seq_len + 1)
+def random_windows(stream: torch.Tensor, n: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """[n, length] windows of the stream at random starts."""
+    last = stream.numel() - length
+    if last <= 0:
+        raise EngineError(f"corpus too small: {stream.numel()} tokens for windows of {length}")
+    return _windows(stream, torch.randint(0, last, (n,), generator=generator), length)
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
+def batch_at(stream: torch.Tensor, step: int, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
+    """[batch_size, seq_len + 1] random windows (inputs and shifted labels) for this step."""
+    return random_windows(stream, batch_size, seq_len + 1, step_generator(seed, step))
 
 
 def eval_batches(stream: torch.Tensor, n: int, batch_size: int, seq_len: int) -> list[torch.Tensor]:

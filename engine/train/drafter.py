@@ -25,13 +25,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from engine.drafter import Eagle3Drafter, draft_vocab, load_drafter, new_drafter, save_drafter
 from engine.errors import EngineError
 from engine.loading import load_model, read_config, resolve_dtype
 from engine.model import Transformer
 from engine.train import corpus, loop
-from engine.train.data import batch_at, token_stream
+from engine.train.data import random_windows, step_generator, token_stream
 from engine.train.presets import DrafterRun
 from engine.train.target import autocast, file_digest, make_optimizer
 from engine.train.tokenizer import load_tokenizer, save_tokenizer, tokenizer_hash
@@ -63,6 +64,7 @@ def unrolled(drafter: Eagle3Drafter):
     attn = drafter.midlayer.self_attn
     if drafter.max_seq_len:
         raise EngineError("the drafter has inference caches set up; drop_caches() before training")
+    attn._modules.pop("cache", None)  # a dropped KVCache leaves its submodule slot behind; StepKV is no module
     attn.cache = StepKV()
     try:
         yield
@@ -143,19 +145,48 @@ def check_pair(target_dir: Path, drafter_dir: Path) -> None:
         raise EngineError(f"drafter {drafter_dir} was trained with another tokenizer than target {target_dir}")
 
 
+@torch.no_grad()
+def regenerate(target: Transformer, stream: torch.Tensor, run: DrafterRun) -> torch.Tensor:
+    """[run.samples, run.seq_len] training sequences: a corpus window of seq_len - regen_tokens tokens continued by
+    the target's own greedy answer, as EAGLE and SpecForge regenerate their data with the target - the drafter
+    learns what the target says, not what the corpus says (they differ most where a small target loops)."""
+    if run.samples <= 0:
+        raise EngineError(f"the number of training samples must be positive, got {run.samples}")
+    if not 0 <= run.regen_tokens < run.seq_len:
+        raise EngineError(f"regen_tokens {run.regen_tokens} must be in 0..{run.seq_len - 1} (seq_len - 1)")
+    prompt_len = run.seq_len - run.regen_tokens
+    seqs = random_windows(stream, run.samples, prompt_len, torch.Generator().manual_seed(run.seed))
+    if run.regen_tokens == 0:
+        return seqs
+    dev = target.device
+    out = []
+    for chunk in tqdm(seqs.split(run.regen_batch), desc="regenerating with the target", mininterval=2.0):
+        x = chunk.to(dev)
+        target.setup_caches(run.seq_len, batch_size=x.shape[0])
+        with autocast(dev):
+            logits, _ = target(x, torch.arange(prompt_len, device=dev), last_logits_only=True)
+            new = [logits[:, -1].argmax(-1)]
+            for pos in range(prompt_len, run.seq_len - 1):
+                logits, _ = target(new[-1][:, None], torch.tensor([pos], device=dev))
+                new.append(logits[:, -1].argmax(-1))
+        out.append(torch.cat([x, torch.stack(new, 1)], 1).cpu())
+    target.drop_caches()
+    return torch.cat(out)
+
+
 def train_drafter(out_dir: str | Path, run: DrafterRun, target_dir: str | Path, init_from: str | Path | None = None,
-                  device: str = "cpu", save_dtype: str = "float32", max_samples: int | None = None,
-                  eval_fn=None, eval_every: int = 0) -> DrafterResult:
-    """Train a drafter for the target in target_dir (resuming an interrupted run in out_dir). init_from: an
-    existing drafter to fine-tune (approach A); its draft vocabulary is kept. max_samples: draw every batch from
-    that many fixed training windows (approach B's data scale). eval_fn(drafter, target) -> {name: value}
-    is called every eval_every steps on a copy saved and loaded as published."""
+                  device: str = "cpu", save_dtype: str = "float32", eval_fn=None, eval_every: int = 0
+                  ) -> DrafterResult:
+    """Train a drafter for the target in target_dir (resuming an interrupted run in out_dir) on run.samples
+    regenerated sequences. init_from: an existing drafter to fine-tune (approach A); its draft vocabulary is kept.
+    eval_fn(drafter, target) -> {name: value} is called every eval_every steps on a copy saved and loaded as
+    published."""
     out, target_dir = Path(out_dir), Path(target_dir)
     if init_from is not None:
         check_pair(target_dir, Path(init_from))
     tok = load_tokenizer(target_dir)
     params = {"run": dataclasses.asdict(run), "target": file_digest(target_dir / "model.safetensors"),
-              "tokenizer": tokenizer_hash(target_dir), "corpus": corpus.manifest_hash(), "max_samples": max_samples,
+              "tokenizer": tokenizer_hash(target_dir), "corpus": corpus.manifest_hash(),
               "init_from": file_digest(Path(init_from) / "model.safetensors") if init_from else None,
               "save_dtype": save_dtype}
     dev = torch.device(device)
@@ -164,19 +195,19 @@ def train_drafter(out_dir: str | Path, run: DrafterRun, target_dir: str | Path, 
     if (log := loop.read_log(out, params)) is not None and (out / "model.safetensors").is_file():
         return _result(out, log)
 
-    train_ids = token_stream(tok, corpus.texts(run.mix, "train", run.data_bytes))
+    seqs = regenerate(target, token_stream(tok, corpus.texts(run.mix, "train", run.data_bytes)), run)
     if init_from is not None:
         drafter = load_drafter(init_from, target, device=dev, dtype=torch.float32)
     else:
-        counts = torch.bincount(train_ids, minlength=target.cfg.vocab_size)
+        counts = torch.bincount(seqs.flatten(), minlength=target.cfg.vocab_size)
         drafter = new_drafter(target.cfg, draft_vocab(counts, run.draft_vocab_size), target.embed_tokens,
                               seed=run.seed, device=dev)
     drafter.train()
     opt = make_optimizer(drafter, run.lr, run.weight_decay)
-    seq = run.seq_len - 1  # batch_at adds one token: windows of seq_len
 
     def step_fn(step: int):
-        x = batch_at(train_ids, step, run.batch_size, seq, run.seed, pool=max_samples).to(dev)
+        rows = torch.randint(0, len(seqs), (run.batch_size,), generator=step_generator(run.seed, step))
+        x = seqs[rows].to(dev)
         with autocast(dev):
             loss, accs = ttt_loss(drafter, x, target_outputs(target, drafter, x), run.ttt_steps, run.step_decay)
         return loss, {f"acc_{j}": a for j, a in enumerate(accs)}

@@ -42,14 +42,15 @@ class DrafterRun:
     seq_len: int
     data_bytes: int
     draft_vocab_size: int
+    samples: int  # training sequences of seq_len tokens (the game plan's "37K" and "1.4M samples")
+    regen_tokens: int  # each sequence = a corpus prompt + this many tokens of the target's own greedy answer
+    regen_batch: int = 64  # sequences generated at once
     ttt_steps: int = 7  # unrolled training-time-test steps
     step_decay: float = 0.8  # loss weight of step j: step_decay ** j
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     ckpt_every: int = 25
-    eval_every: int = 0
-    eval_batches: int = 4
     seed: int = 0
 
 
@@ -81,9 +82,9 @@ CPU = Preset(
     target_b=TargetRun(mix="B", steps=60, lr=1.5e-3, warmup=6, batch_size=16, seq_len=128, data_bytes=3_000_000,
                        seed=1),
     drafter=DrafterRun(mix="A", steps=200, lr=3e-3, warmup=20, batch_size=8, seq_len=128, data_bytes=3_000_000,
-                       draft_vocab_size=2048),
+                       draft_vocab_size=2048, samples=1024, regen_tokens=64),
     finetune=DrafterRun(mix="B", steps=60, lr=1e-3, warmup=6, batch_size=8, seq_len=128, data_bytes=300_000,
-                        draft_vocab_size=2048, seed=1),
+                        draft_vocab_size=2048, samples=64, regen_tokens=64, seed=1),
     eval_prompts=8, prompt_chars=600, max_new_tokens=48,
 )
 
@@ -98,9 +99,11 @@ GPU = Preset(
     target_b=TargetRun(mix="B", steps=700, lr=5e-4, warmup=50, batch_size=32, seq_len=1024,
                        data_bytes=200_000_000, ckpt_every=300, eval_every=350, eval_batches=8, seed=1),
     drafter=DrafterRun(mix="A", steps=3000, lr=1e-3, warmup=100, batch_size=16, seq_len=1024,
-                       data_bytes=200_000_000, draft_vocab_size=8192, ckpt_every=500, eval_batches=8),
+                       data_bytes=200_000_000, draft_vocab_size=8192, samples=16384, regen_tokens=256,
+                       regen_batch=512, ckpt_every=500),
     finetune=DrafterRun(mix="B", steps=600, lr=3e-4, warmup=30, batch_size=16, seq_len=1024,
-                        data_bytes=20_000_000, draft_vocab_size=8192, ckpt_every=300, eval_batches=8, seed=1),
+                        data_bytes=20_000_000, draft_vocab_size=8192, samples=2048, regen_tokens=256,
+                        regen_batch=512, ckpt_every=300, seed=1),
     eval_prompts=32, prompt_chars=1500, max_new_tokens=256, device="cuda", dtype="bfloat16",
 )
 
