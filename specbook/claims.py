@@ -22,7 +22,7 @@ from typing import Iterable
 
 import yaml
 
-from specbook import SpecbookError, records, verify
+from specbook import SpecbookError, provenance, records, verify
 
 FRONT_MATTER_KEYS = ("title", "status", "updated", "runbooks", "records")
 # Pages the site generates at build time (specbook.site): links to them are not broken.
@@ -100,12 +100,20 @@ def find_metric(root: Path, runbook: str, profile: str, metric: str, cache: dict
     return (data["profiles"].get(profile) or {}).get("metrics", {}).get(metric) if data else None
 
 
+def verdict_here(status_verdict: str, profile: str) -> str:
+    """What a hash-based status verdict means on this machine: a number of another hardware profile cannot be
+    re-run here, so it is not verifiable here (stale or not); this profile's numbers keep fresh / stale / failed."""
+    if status_verdict == verify.UNRECORDED or profile == provenance.detect_profile():
+        return status_verdict
+    return verify.ELSEWHERE
+
+
 def record_verdict(root: Path, runbook: str, profile: str, metric: str, cache: dict) -> str:
-    """fresh / stale / failed / not verifiable here for one recorded metric, from input hashes (nothing runs)."""
+    """The verdict of one recorded metric on this machine, from input hashes (nothing runs)."""
     key = ("verdicts", runbook)
     if key not in cache:
         cache[key] = {(v.profile, v.metric): v.verdict for v in verify.status(Path(root), [runbook])}
-    return cache[key].get((profile, metric), verify.UNRECORDED)
+    return verdict_here(cache[key].get((profile, metric), verify.UNRECORDED), profile)
 
 
 def format_value(metric: dict, fmt: str) -> str:

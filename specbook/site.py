@@ -29,7 +29,8 @@ class Row:
     unit: str
     direction: str
     tolerance: dict
-    verdict: str
+    verdict: str  # on this machine
+    inputs_changed: bool  # its inputs hash differs from the current code's (stale, whichever profile)
     source: str
     hardware: str
     date: str
@@ -58,14 +59,15 @@ def _date(value) -> str:
 def record_rows(root: Path | str) -> list[Row]:
     """One row per recorded metric of every baselines/*.yaml, with its verdict (from input hashes; nothing runs)."""
     root = Path(root)
-    verdicts = {(v.runbook, v.profile, v.metric): v.verdict for v in verify.status(root)}
+    status = {(v.runbook, v.profile, v.metric): v.verdict for v in verify.status(root)}
     rows = []
     for runbook, rf in records.load_all(root).items():
         for profile, prof in rf.data["profiles"].items():
             for name, m in prof["metrics"].items():
                 run = records.run_of(prof, m["run"])
+                hashed = status.get((runbook, profile, name), verify.UNRECORDED)
                 rows.append(Row(runbook, profile, name, m["value"], m["unit"], m["direction"], m.get("tolerance") or {},
-                                verdicts.get((runbook, profile, name), verify.UNRECORDED), run["source"],
+                                claims.verdict_here(hashed, profile), hashed == verify.STALE, run["source"],
                                 _hardware(profile, run), _date(run["date"]), m.get("history") or []))
     return rows
 
@@ -106,6 +108,12 @@ def history_svg(rows: list[Row]) -> str:
     return buf.getvalue()
 
 
+def _badges(row: Row) -> str:
+    """The verdict here, and for another profile's number whose code changed since, that it is stale there too."""
+    stale_elsewhere = row.inputs_changed and row.verdict != verify.STALE
+    return badge(row.verdict) + (" " + badge(verify.STALE) if stale_elsewhere else "")
+
+
 ARROWS = {"higher": "\u2191", "lower": "\u2193", "none": "="}  # which way is better; "=" any change is drift
 
 
@@ -116,7 +124,7 @@ def _table(rows: list[Row]) -> str:
         tol = ", ".join(f"{k} {v:g}" for k, v in r.tolerance.items() if v) or "exact"
         body.append(f'<tr><td>{r.metric}</td><td class="value" data-record="{r.key}">{format_number(r.value)}</td>'
                     f'<td>{html.escape(r.unit)} <span title="better: {r.direction}">{ARROWS.get(r.direction, "")}'
-                    f"</span></td><td>{tol}</td><td>{badge(r.verdict)}</td><td>{r.date} ({r.source})</td></tr>")
+                    f"</span></td><td>{tol}</td><td>{_badges(r)}</td><td>{r.date} ({r.source})</td></tr>")
     return f"<table>\n<thead>{head}</thead>\n<tbody>\n" + "\n".join(body) + "\n</tbody>\n</table>"
 
 
@@ -137,10 +145,13 @@ def dashboard(root: Path | str) -> tuple[str, dict[str, str]]:
         latest = max(group, key=lambda r: r.date)
         out += [f"## {runbook} / {profile}", "",
                 f"**Hardware:** {html.escape(latest.hardware)} &nbsp; **Last recorded:** {latest.date}", ""]
-        verdicts = sorted({r.verdict for r in group if r.verdict in VERDICT_ADMONITION})
-        for v in verdicts:
-            why = ("reported from hardware this project cannot reach, or recorded on another hardware profile"
-                   if v == verify.ELSEWHERE else f"re-run `runbook verify {runbook}`")
+        verdicts = {r.verdict for r in group if r.verdict in VERDICT_ADMONITION}
+        verdicts |= {verify.STALE} if any(r.inputs_changed for r in group) else set()
+        for v in sorted(verdicts):
+            why = {verify.ELSEWHERE: "reported from hardware this project cannot reach, or recorded on another "
+                                     "hardware profile",
+                   verify.STALE: f"the code or parameters changed since they were recorded; re-run `runbook run "
+                                 f"{runbook}` on {profile}"}.get(v, f"re-run `runbook verify {runbook}`")
             out += [f'!!! {VERDICT_ADMONITION[v]} "{v.capitalize()}"', f"    Numbers marked *{v}*: {why}.", ""]
         notebook = EXECUTED / f"{runbook}-{profile}.ipynb"  # where `runbook run` keeps the executed notebook
         if (root / notebook).is_file():

@@ -4,11 +4,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specbook import claims
+from specbook import claims, provenance, site
 from specbook.execute import target
 from specbook.claims import DocsError, check_docs, plan_refresh, apply_edits, refresh_docs
 
 ROOT = Path(__file__).resolve().parents[1]
+HERE = provenance.detect_profile()  # this machine's profile: its numbers can be fresh or stale
+OTHER = "h200" if HERE != "h200" else "cpu"  # another machine's: not verifiable here
 FRONT = "---\ntitle: T\nstatus: current\nupdated: 2026-11-29\nrunbooks: []\nrecords: []\n---\n"
 
 
@@ -21,7 +23,8 @@ RUNBOOK = """# %% [markdown]
 # feeds: []
 # depends: []
 # profiles:
-#   cpu: {}
+#   HERE: {}
+#   OTHER: {}
 # ```
 
 # %% tags=["parameters"]
@@ -34,14 +37,15 @@ record("tok_s", 82.5, unit="tok/s", direction="higher")
 """
 
 
-def write_record(root: Path, value: float = 82.5, samples=(82.0, 83.0), source: str = "reported") -> None:
+def write_record(root: Path, value: float = 82.5, samples=(82.0, 83.0), source: str = "reported",
+                 profile: str = "cpu") -> None:
     """A bench record; a measured one gets the inputs hash of runbooks/bench.py as it is now (fresh)."""
     run = {"id": "r1", "date": "2026-11-29T14:40:00Z", "source": source, "provenance": {}}
     if source == "measured":
         (root / "runbooks").mkdir(exist_ok=True)
-        (root / "runbooks" / "bench.py").write_text(RUNBOOK)
-        run |= {"parameters": {"n": 1}, "inputs_hash": target(root, "bench", "cpu").inputs_hash}
-    data = {"runbook": "bench", "profiles": {"cpu": {
+        (root / "runbooks" / "bench.py").write_text(RUNBOOK.replace("HERE", HERE).replace("OTHER", OTHER))
+        run |= {"parameters": {"n": 1}, "inputs_hash": target(root, "bench", profile).inputs_hash}
+    data = {"runbook": "bench", "profiles": {profile: {
         "runs": [run],
         "metrics": {"tok_s": {"value": value, "unit": "tok/s", "direction": "higher",
                               "tolerance": {"rel": 0.1, "abs": 0.0}, "run": "r1", "samples": list(samples),
@@ -178,20 +182,31 @@ def test_reported_claims_are_not_verifiable_here(root):
 
 
 def test_measured_claim_fresh_then_stale(root):
-    write_record(root, source="measured")
-    page(root, "<!-- claim: bench/cpu/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s\n")
+    write_record(root, source="measured", profile=HERE)
+    page(root, f"<!-- claim: bench/{HERE}/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s\n")
     assert messages(root) == []
     rb = root / "runbooks" / "bench.py"
     rb.write_text(rb.read_text().replace("n = 1", "n = 2"))
-    assert messages(root) == ["docs/p.md:8: claim bench/cpu/tok_s: record is stale (`runbook verify bench`)"]
+    assert messages(root) == [f"docs/p.md:8: claim bench/{HERE}/tok_s: record is stale (`runbook verify bench`)"]
+
+
+def test_stale_record_of_another_profile_is_not_verifiable_here(root):
+    write_record(root, source="measured", profile=OTHER)
+    rb = root / "runbooks" / "bench.py"
+    rb.write_text(rb.read_text().replace("n = 1", "n = 2"))
+    page(root, f"<!-- claim: bench/{OTHER}/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s\n")
+    assert claims.record_verdict(root, "bench", OTHER, "tok_s", {}) == "not verifiable here"
+    assert messages(root) == []
+    text, _ = site.dashboard(root)
+    assert "verdict-not-verifiable-here" in text and "verdict-stale" in text and f"on {OTHER}" in text
 
 
 def test_measured_claim_whose_runbook_is_gone(root):
-    write_record(root, source="measured")
+    write_record(root, source="measured", profile=HERE)
     (root / "runbooks" / "bench.py").unlink()
-    page(root, "<!-- claim: bench/cpu/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s\n")
+    page(root, f"<!-- claim: bench/{HERE}/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s\n")
     [msg] = messages(root)
-    assert msg.startswith("docs/p.md:8: claim bench/cpu/tok_s: record is failed (`runbook verify bench`)")
+    assert msg.startswith(f"docs/p.md:8: claim bench/{HERE}/tok_s: record is failed (`runbook verify bench`)")
 
 
 def test_malformed_record_is_reported_at_the_claim(root):
