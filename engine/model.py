@@ -81,7 +81,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     if mask is None:
         mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=q.device).tril()
     y = F.scaled_dot_product_attention(q.reshape(B, kv, rep * T, D), k, v, attn_mask=mask.repeat(rep, 1)[None, None])
-    return y.view(B, H, T, v.shape[-1])  # row r*T + t of KV head j is query head j*rep + r at token t
+    return y.reshape(B, H, T, v.shape[-1])  # row r*T + t of KV head j is query head j*rep + r at token t
 
 
 class MLP(nn.Module):

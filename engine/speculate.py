@@ -149,11 +149,12 @@ class SpecDecoder:
         own_slots = torch.arange((i - 1) * K, i * K, device=self.device)  # scratch index of this step's entries
         slots = S + own_slots
         prefix_slots = torch.arange(S, device=self.device)
+        itself = torch.zeros_like(st.beam_anc)  # each beam sees its own new entry; built outside the graph
+        itself[torch.arange(K, device=self.device), own_slots] = True
 
         def step(start: torch.Tensor) -> None:
             pos = (start - 1 + i).expand(K)
-            own = st.beam_anc.clone()
-            own[torch.arange(K, device=self.device), own_slots] = True
+            own = st.beam_anc | itself
             mask = torch.cat([(prefix_slots < start)[None, :].expand(K, S), own], dim=1)
             logits, out = self.drafter(st.beam_hidden, st.beam_tokens[None], pos, slots, mask)
             scores, ids, rows = top_children(st.beam_scores, F.log_softmax(logits[0], -1), K)
