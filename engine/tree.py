@@ -94,9 +94,9 @@ def ancestors(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     idx = torch.arange(n, device=parents.device)
     anc = idx[:, None] == idx[None, :]
     cur = idx
-    for _ in range(max_depth):
+    for _ in range(max_depth):  # a scalar True would be a host->device copy, illegal inside graph capture
         cur = parents[cur]
-        anc[idx, cur] = True
+        anc = anc | (cur[:, None] == idx[None, :])
     return anc
 
 
