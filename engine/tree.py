@@ -118,8 +118,7 @@ def accept(tokens: torch.Tensor, target_tokens: torch.Tensor, parents: torch.Ten
     -> count [1] (accepted drafts + 1), path [N] (verify indices of the root and the accepted nodes by depth; the
     first `count` are valid), emitted [N] (the target's tokens after each path node: accepted drafts + bonus)."""
     n = tokens.shape[0]
-    ok = tokens == target_tokens[parents]
-    ok[0] = True
+    ok = (tokens == target_tokens[parents]) | (torch.arange(n, device=tokens.device) == 0)  # the root always
     acc = ok
     for _ in range(max_depth):
         acc = acc & acc[parents]
