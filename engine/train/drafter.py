@@ -1,6 +1,10 @@
 """EAGLE-3 drafter training on a frozen target: training-time test (TTT), draft vocabulary from token frequencies,
 hidden states generated online, published-format output (engine.drafter.save_drafter).
 
+Data: `run.samples` sequences, each a corpus window continued by the target's own greedy answer (`regenerate`, as
+EAGLE and SpecForge regenerate their chat data with the target). The target's features and distributions are
+computed for every batch as it is drawn, never stored.
+
 Training-time test unrolls the draft layer `ttt_steps` times over a whole sequence at once. Step j (0-based) at base
 position t mirrors draft step j+1 at inference: its hidden input is fc(target features at t) for j = 0, else the
 draft layer's own pre-norm output of step j-1 at base t; its token is x_{t+j+1}; its RoPE position is t+j. It

@@ -81,10 +81,10 @@ CPU = Preset(
     target_a=TargetRun(mix="A", steps=150, lr=3e-3, warmup=15, batch_size=16, seq_len=128, data_bytes=3_000_000),
     target_b=TargetRun(mix="B", steps=60, lr=1.5e-3, warmup=6, batch_size=16, seq_len=128, data_bytes=3_000_000,
                        seed=1),
-    drafter=DrafterRun(mix="A", steps=200, lr=3e-3, warmup=20, batch_size=8, seq_len=128, data_bytes=3_000_000,
-                       draft_vocab_size=2048, samples=1024, regen_tokens=64),
+    drafter=DrafterRun(mix="A", steps=160, lr=3e-3, warmup=16, batch_size=8, seq_len=128, data_bytes=3_000_000,
+                       draft_vocab_size=2048, samples=512, regen_tokens=48),
     finetune=DrafterRun(mix="B", steps=60, lr=1e-3, warmup=6, batch_size=8, seq_len=128, data_bytes=300_000,
-                        draft_vocab_size=2048, samples=64, regen_tokens=64, seed=1),
+                        draft_vocab_size=2048, samples=64, regen_tokens=48, seed=1),
     eval_prompts=8, prompt_chars=600, max_new_tokens=48,
 )
 
