@@ -257,3 +257,11 @@ def on_page_markdown(markdown, page, config, files):
     if head.startswith("# "):
         return head + "\n\n" + "\n".join(notes) + "\n" + rest
     return "\n".join(notes) + "\n" + markdown
+
+
+def on_page_content(html_text, page, config, files):
+    """Executed notebooks stay out of the search index: their code and outputs are thousands of odd tokens that
+    drown the docs in results (and tripped lunr's wildcard search); the dashboard links them."""
+    if page.file.src_uri.startswith(EXECUTED.relative_to("docs").as_posix() + "/"):
+        page.meta["search"] = {"exclude": True}
+    return html_text

@@ -49,6 +49,9 @@ def page(base_url, tmp_path_factory):
                                                        executable_path=str(CHROMIUM), args=FLAGS, headless=True)
         pg = context.new_page()
         pg.set_default_timeout(20_000)
+        pg.errors = []  # console errors and uncaught exceptions (a broken search index shows only here)
+        pg.on("console", lambda m: pg.errors.append(m.text) if m.type == "error" else None)
+        pg.on("pageerror", lambda e: pg.errors.append(str(e)))
         yield pg
         context.close()
 
@@ -74,7 +77,8 @@ def test_search_finds_the_findings_page(page, base_url):
         box.type("CUDA graph")
         page.wait_for_timeout(1000)
     hrefs = [results.nth(i).get_attribute("href") for i in range(results.count())]
-    assert any("findings/" in h for h in hrefs), hrefs
+    assert any("findings/" in h for h in hrefs), (hrefs, page.errors)
+    assert page.errors == []
 
 
 def test_dashboard_numbers_equal_the_records(page, base_url, built):

@@ -1,4 +1,5 @@
 """The MkDocs site (strict build), its generated dashboard and llms.txt, and `runbook context`."""
+import json
 import os
 import re
 import shutil
@@ -91,3 +92,10 @@ def test_site_builds_without_executed_notebooks(tmp_path):
                        timeout=300)
     assert r.returncode == 0, r.stderr
     assert "Executed notebook" not in (tmp_path / "site" / "dashboard" / "index.html").read_text()
+
+
+def test_search_index_has_the_docs_but_not_the_notebooks(built):
+    index = json.loads((built[0] / "search" / "search_index.json").read_text())
+    locations = [d["location"] for d in index["docs"]]
+    assert "findings/" in locations
+    assert not [loc for loc in locations if loc.startswith("runbooks/executed/")]
