@@ -4,10 +4,11 @@ and where to find the rest."""
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from specbook import claims, site
+from specbook import SpecbookError, claims, runbooks, site
 
 CHARS_PER_TOKEN = 4  # a rough, conservative estimate for English and numbers
 
@@ -23,17 +24,32 @@ def tokens(text: str) -> int:
     return -(-len(text) // CHARS_PER_TOKEN)
 
 
+def _headline(root: Path, runbook: str) -> set[str]:
+    """The metrics a runbook's header says it reproduces (empty when there is no runbook, e.g. reported numbers)."""
+    try:
+        return set(runbooks.load(root, runbook).reproduces)
+    except SpecbookError:
+        return set()
+
+
 def number_lines(root: Path) -> list[str]:
-    """One line per runbook and profile: source, hardware, date, then each metric with its verdict."""
+    """One line per runbook and profile: the verdict most of its numbers share, source, hardware, date, then its
+    headline metrics (those its header says it reproduces; all when it names none), a metric's own verdict only
+    where it differs."""
     groups: dict[tuple[str, str], list[site.Row]] = {}
     for row in site.record_rows(root):
         groups.setdefault((row.runbook, row.profile), []).append(row)
     lines = []
     for (runbook, profile), rows in groups.items():
-        first = rows[0]
-        metrics = "; ".join(f"{r.metric} {site.format_number(r.value)} {r.unit}".rstrip() + f" [{r.verdict}]"
-                            for r in rows)
-        lines.append(f"- {runbook} @ {profile} ({first.source}, {first.hardware}, {first.date}): {metrics}")
+        headline = _headline(root, runbook)
+        shown = [r for r in rows if r.metric in headline] or rows
+        common = Counter(r.verdict for r in rows).most_common(1)[0][0]
+        metrics = "; ".join(f"{r.metric} {r.value:.4g} {r.unit}".rstrip()
+                            + (f" [{r.verdict}]" if r.verdict != common else "") for r in shown)
+        more = f"; +{len(rows) - len(shown)} more" if len(rows) > len(shown) else ""
+        latest = max(rows, key=lambda r: r.date)
+        lines.append(f"- {runbook} @ {profile} [{common}] ({latest.source}, {latest.hardware}, {latest.date}): "
+                     f"{metrics}{more}")
     return lines
 
 
@@ -95,7 +111,7 @@ def build_context(root: Path | str, budget: int = 2000) -> str:
             "Before trusting a number: `runbook show NAME`, `runbook env`, `runbook verify NAME`. "
             "Start with AGENTS.md and docs/index.md.\n")
     sections = [
-        Section("Numbers (runbook @ profile: metric value [verdict])", number_lines(root), "`runbook show NAME`"),
+        Section("Numbers (runbook @ profile [verdict]: headline metrics)", number_lines(root), "`runbook show NAME`"),
         Section("Docs problems", problem_lines(root), "`runbook verify --docs`"),
         Section("Open decisions", decision_lines(root), "docs/decisions.md"),
         Section("Next steps", next_step_lines(root), "docs/game-plan.md"),
