@@ -7,7 +7,8 @@
 # accept length on B's held-out prompts as a curve. With little data the drafter memorises its samples; the curve
 # shows how fast more data pays.
 #
-# `-p target=DIR` runs the sweep for a real target.
+# `-p target=DIR` runs the sweep for a real target; `-p drafter=DIR` draws an existing drafter's accept length on
+# it as a reference line (e.g. the old K2 drafter plugged into K2.5).
 #
 # ```yaml
 # title: Approach B - accept length on target B against the number of training samples
@@ -31,6 +32,7 @@ chain_steps = 7
 eval_prompts: int | None = None
 max_new_tokens: int | None = None
 target: str | None = None  # [default: train-target's target-b]
+drafter: str | None = None  # a reference drafter measured on the same target and prompts
 threads = 2
 accept_tol = 0.05
 outputs_dir: str | None = None
@@ -45,7 +47,7 @@ import torch
 
 from engine.drafter import load_drafter
 from engine.loading import load_model
-from engine.train.drafter import accept_length, prompt_ids, train_drafter
+from engine.train.drafter import accept_length, check_pair, prompt_ids, train_drafter
 from engine.train.presets import get_preset, with_overrides
 from engine.train.tokenizer import load_tokenizer
 from specbook import record
@@ -69,9 +71,19 @@ for n in sorted(sample_counts):
     print(f"{n:8d} samples: accept length {results[n][0]:.3f}, final TTT loss {res.final_loss:.3f}")
 
 # %%
+reference = None
+if drafter is not None:
+    check_pair(dir_b, Path(drafter))
+    reference = accept_length(model_b, load_drafter(drafter, model_b), prompts, chain_steps,
+                              max_new_tokens or p.max_new_tokens)
+    print(f"reference drafter {drafter}: accept length {reference:.3f}")
+
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
 ns = sorted(results)
 ax1.plot(ns, [results[n][0] for n in ns], marker="o")
+if reference is not None:
+    ax1.axhline(reference, color="tab:gray", linestyle="--", label="reference drafter")
+    ax1.legend()
 ax1.set_xscale("log")
 ax1.set_xlabel(f"training samples of {run.seq_len} tokens")
 ax1.set_ylabel("accept length on target B")
