@@ -3,8 +3,8 @@
 #
 # The game plan's second step: start from the K2 drafter (trained on 1.4M samples) and fine-tune it with the 37K
 # K2.5 samples at hand. In miniature: drafter A is trained further against target B on a small set of sequences
-# (`samples`: prompts from mix B answered by target B), its draft vocabulary kept; accept length on B's held-out prompts is measured as
-# training goes (step 0 = plugged in unchanged, approach C's number).
+# (`samples`: prompts from mix B answered by target B), its draft vocabulary kept; accept length on B's held-out
+# prompts is measured as training goes (step 0 = plugged in unchanged, approach C's number).
 #
 # `-p target=DIR -p drafter=DIR` fine-tune a real drafter for a real target (DIR = the NEW target).
 #

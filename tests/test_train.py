@@ -351,8 +351,8 @@ def test_drafter_and_target_with_different_tokenizers_are_refused(world, tmp_pat
     same_size = train_tokenizer([t.upper() for t in corpus.texts("A", "train", 10**9)], world["tok"].get_vocab_size())
     assert same_size.to_str() != world["tok"].to_str()
     save_tokenizer(same_size, other)
-    (other / "config.json").write_text((other / "config.json").read_text().replace('"vocab_size": 280',
-                                                                                   f'"vocab_size": {world["tok"].get_vocab_size()}'))
+    config = (other / "config.json").read_text()
+    (other / "config.json").write_text(config.replace('"vocab_size": 280', f'"vocab_size": {same_size.get_vocab_size()}'))
     with pytest.raises(EngineError, match="another tokenizer"):
         D.check_pair(world["target"].path, other)
 

@@ -120,7 +120,8 @@ def with_overrides(run: TargetRun | DrafterRun, **overrides: Any) -> TargetRun |
     """A copy with some fields replaced (None values ignored); unknown names are one clear error."""
     names = {f.name for f in dataclasses.fields(run)}
     if unknown := sorted(k for k in overrides if k not in names):
-        raise EngineError(f"unknown {type(run).__name__} field(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        raise EngineError(f"unknown {type(run).__name__} field(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(names))}")
     return dataclasses.replace(run, **{k: v for k, v in overrides.items() if v is not None})
 
 
