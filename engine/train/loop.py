@@ -87,7 +87,16 @@ def disk_errors(where: Path) -> Iterator[None]:
         raise EngineError(f"{_why(e)} while saving the finished model to {where}; rerun to retry") from None
 
 
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 def _diff(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """The changed parameters, named by their dotted paths (run.lr: 0.01 -> 0.005)."""
+    old, new = _flat(json.loads(json.dumps(old, default=str))), _flat(json.loads(json.dumps(new, default=str)))
     keys = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     return ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys[:4]) + (" ..." if len(keys) > 4 else "")
 
