@@ -127,13 +127,15 @@ def test_tree_beats_chain_when_first_choice_misses():
     assert sum(r.accept_length for r in tree) > sum(r.accept_length for r in chain)
 
 
-def test_eos_inside_a_draft_stops_there():
+@pytest.mark.parametrize("topk,n", [(1, None), (3, 9)])
+def test_eos_inside_a_draft_stops_there(topk, n):
     t = bigram_target(1.0)
-    spec = SpecDecoder(t, drafter_for(t, oracle=True), 128, steps=4, topk=1)
+    spec = SpecDecoder(t, drafter_for(t, oracle=True), 128, 4, topk, n)
     p = prompts(1)[0]
     full = spec.generate(p, 30).token_ids
     stop = full[6]  # cycles emit 5 tokens after the prefill's: position 6 is inside the second cycle's draft
     assert stop not in full[:6]
+    assert spec.generate(p, 30, stop_ids=(full[0],)).token_ids == full[:1]  # the prefill's token stops too
     r = spec.generate(p, 30, stop_ids=(stop,))
     assert r.token_ids == full[:7] and r.finish_reason == "stop"
     assert list(spec.stream(p, 30, stop_ids=(stop,)))[-1][-1] == stop
