@@ -4,7 +4,7 @@ and B's runs, the drafter's run and approach A's fine-tuning run; runbooks overr
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.config import ModelConfig
@@ -69,7 +69,6 @@ class Preset:
     max_new_tokens: int = 64
     device: str = "cpu"
     dtype: str = "float32"  # dtype of the saved checkpoints (training keeps fp32 weights)
-    family_overrides: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 CPU = Preset(
@@ -94,14 +93,14 @@ GPU = Preset(
     tokenizer_bytes=60_000_000,
     model=dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
                num_key_value_heads=4, max_position_embeddings=4096, rope_theta=10000.0),
-    target_a=TargetRun(mix="A", steps=1600, lr=1e-3, warmup=100, batch_size=32, seq_len=1024,
+    target_a=TargetRun(mix="A", steps=1600, lr=6e-4, warmup=100, batch_size=32, seq_len=1024,
                        data_bytes=200_000_000, ckpt_every=400, eval_every=400, eval_batches=8),
-    target_b=TargetRun(mix="B", steps=700, lr=5e-4, warmup=50, batch_size=32, seq_len=1024,
+    target_b=TargetRun(mix="B", steps=700, lr=3e-4, warmup=50, batch_size=32, seq_len=1024,
                        data_bytes=200_000_000, ckpt_every=300, eval_every=350, eval_batches=8, seed=1),
-    drafter=DrafterRun(mix="A", steps=3000, lr=1e-3, warmup=100, batch_size=16, seq_len=1024,
+    drafter=DrafterRun(mix="A", steps=3000, lr=5e-4, warmup=100, batch_size=16, seq_len=1024,
                        data_bytes=200_000_000, draft_vocab_size=8192, samples=16384, regen_tokens=256,
                        regen_batch=512, ckpt_every=500),
-    finetune=DrafterRun(mix="B", steps=600, lr=3e-4, warmup=30, batch_size=16, seq_len=1024,
+    finetune=DrafterRun(mix="B", steps=600, lr=2e-4, warmup=30, batch_size=16, seq_len=1024,
                         data_bytes=20_000_000, draft_vocab_size=8192, samples=2048, regen_tokens=256,
                         regen_batch=512, ckpt_every=300, seed=1),
     eval_prompts=32, prompt_chars=1500, max_new_tokens=256, device="cuda", dtype="bfloat16",
@@ -140,5 +139,4 @@ def target_config(preset: Preset, family: str = "llama", vocab_size: int | None 
                  qk_rope_head_dim=head // 2, v_head_dim=head, n_routed_experts=8, num_experts_per_tok=2,
                  n_shared_experts=1, moe_intermediate_size=m["intermediate_size"] // 4, first_k_dense_replace=1,
                  routed_scaling_factor=1.0, n_group=1, topk_group=1)
-    m.update(preset.family_overrides.get(family, {}))
     return ModelConfig(**m)
