@@ -92,6 +92,7 @@ aux_layers = load_drafter(dir_d, model_a).aux_layers
 
 fig, ax = plt.subplots(figsize=(7, 3.5))
 ax.plot(layers, cos, marker="o")
+ax.set_xticks(layers[:: max(1, len(layers) // 16)])
 for i in aux_layers:
     ax.axvline(i, color="tab:red", alpha=0.4)
 ax.set_xlabel("residual stream entering layer (red: the drafter's feature layers)")
