@@ -8,20 +8,19 @@ from engine.errors import EngineError
 from engine.train.tokenizer import eos_id
 
 
-def token_stream(tok: Tokenizer, texts: list[str]) -> torch.Tensor:
-    """All documents as one int64 stream, each followed by the eos separator."""
+def token_stream(tok: Tokenizer, texts: list[str], chunk: int = 1024) -> torch.Tensor:
+    """All documents as one int32 stream, each followed by the eos separator. Encoded a chunk of documents at a
+    time: a whole corpus of Encoding objects (tokens, offsets, masks) would take several times the text's memory."""
     eos = eos_id(tok)
-    ids: list[int] = []
-    for enc in tok.encode_batch(texts):
-        ids.extend(enc.ids)
-        ids.append(eos)
-    if not ids:
+    parts = [torch.tensor(enc.ids + [eos], dtype=torch.int32)
+             for i in range(0, len(texts), chunk) for enc in tok.encode_batch(texts[i:i + chunk])]
+    if not parts:
         raise EngineError("empty corpus: no tokens to train on")
-    return torch.tensor(ids, dtype=torch.int64)
+    return torch.cat(parts)
 
 
 def _windows(stream: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
-    return stream[starts[:, None] + torch.arange(length)[None, :]]
+    return stream[starts[:, None] + torch.arange(length)[None, :]].long()
 
 
 def random_windows(stream: torch.Tensor, n: int, length: int, generator: torch.Generator) -> torch.Tensor:
