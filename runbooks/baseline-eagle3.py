@@ -44,6 +44,7 @@ n_prompts = 4
 prompt_len = 64
 new_tokens = 64
 repeats = 3  # timed passes over the prompts; the median pass is recorded
+compile_drafter = False  # draft steps through torch.compile (inductor fusion) inside their CUDA graphs
 cycle_shape = ""  # a named shape for the cycle-cost measurement (h200: llama-3.1-8b); empty: skip
 cycle_accept_length = 3.86  # SGLang's H200 MT-bench accept length (chain, 7 steps, 8 tokens)
 max_seq_len = 512
@@ -90,8 +91,9 @@ print(f"target {target_dir} ({tgt.cfg.num_hidden_layers} layers, hidden {tgt.cfg
 # %%
 n_draft = draft_tokens or None
 base = Generator(tgt, max_seq_len, cuda_graphs=graphs)
-spec = SpecDecoder(tgt, dft, max_seq_len, steps, topk, n_draft)
-spec_eager = SpecDecoder(tgt, dft, max_seq_len, steps, topk, n_draft, eager_verify=True)
+spec = SpecDecoder(tgt, dft, max_seq_len, steps, topk, n_draft, compile_drafter=compile_drafter)
+spec_eager = SpecDecoder(tgt, dft, max_seq_len, steps, topk, n_draft, eager_verify=True,
+                         compile_drafter=compile_drafter)
 stats = {name: cycle_stats(dec, prompts, new_tokens, repeats, seed)
          for name, dec in (("baseline", base), ("eagle3", spec), ("eagle3_eager_verify", spec_eager))}
 exact = sum(a == b == c for a, b, c in zip(*(s.token_ids for s in stats.values()))) / len(prompts)
@@ -170,9 +172,11 @@ if cycle_shape:
     big_prompts = [torch.randint(0, big.cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(2)]
     big_stats = {name: cycle_stats(dec, big_prompts, new_tokens, repeats, seed)
                  for name, dec in (("baseline", Generator(big, max_seq_len, cuda_graphs=graphs)),
-                                   ("eagle3", SpecDecoder(big, big_d, max_seq_len, steps, 1)),
+                                   ("eagle3", SpecDecoder(big, big_d, max_seq_len, steps, 1,
+                                                          compile_drafter=compile_drafter)),
                                    ("eagle3_eager_verify", SpecDecoder(big, big_d, max_seq_len, steps, 1,
-                                                                       eager_verify=True)))}
+                                                                       eager_verify=True,
+                                                                       compile_drafter=compile_drafter)))}
     step_ms = big_stats["baseline"].ms_per_cycle
     for name, st in big_stats.items():
         print(f"{cycle_shape} {name:20} {st.ms_per_cycle:7.2f} ms per cycle ({st.ms_per_cycle / step_ms:.2f} x a "
