@@ -1,0 +1,20 @@
+"""The README's two commands are the ones users and CI run: .ci/run must run the README's test command verbatim."""
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_commands() -> list[str]:
+    return re.findall(r"```bash\n(.+?)\n```", (ROOT / "README.md").read_text())
+
+
+def test_readme_has_two_commands_one_main_job_one_test():
+    setup, tests = readme_commands()[:2]
+    assert "runbook run baseline-eagle3" in setup and "pytest" in tests
+    assert setup.split("&&")[:2] == tests.split("&&")[:2]  # the same set-up
+
+
+def test_ci_runs_the_readme_test_command():
+    test_command = readme_commands()[1]
+    assert test_command in (ROOT / ".ci" / "run").read_text().splitlines()
