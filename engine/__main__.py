@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 
 import click
 
+from engine.cli_options import default_device, engine_options, load_engine
 from engine.errors import EngineError
 
 EXIT_BAD_INPUT, EXIT_FAILURE = 2, 1
@@ -63,58 +63,16 @@ def int_list(ctx, param, value: str | None) -> list[int] | None:
         raise click.BadParameter(f"expected integers separated by commas or spaces, got {value!r}") from None
 
 
-def model_options(f: Callable) -> Callable:
-    """Options shared by generate and bench: what to load and how to run it."""
-    options = [
-        click.option("--target", type=click.Path(), default=None,
-                     help="HF-format model directory (config.json, *.safetensors, tokenizer.json)."),
-        click.option("--shape", default=None, help="Named random-weight shape instead of --target: tiny, small, "
-                                                   "llama-3.2-1b, llama-3.1-8b, qwen3-8b, ..."),
-        click.option("--device", default=None, help="cpu or cuda [default: cuda when available, else cpu]."),
-        click.option("--dtype", default=None, help="float32 | bfloat16 | float16 (fp32/bf16/fp16) "
-                                                   "[default: bf16 on cuda, fp32 on cpu]."),
-        click.option("--max-seq-len", default=None, type=int,
-                     help="KV-cache length: prompt + new tokens must fit [default: generate 2048; bench: what the "
-                          "run needs, rounded up to 128 - attention reads the whole cache]."),
-        click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
-                     help="Replay the decode step as a CUDA graph (no effect on cpu)."),
-        click.option("--compile", "compile_", is_flag=True,
-                     help="torch.compile the decode step's forward inside the CUDA graph (fuses small ops); "
-                          "bench: adds a 'compiled' row."),
-        click.option("--seed", default=0, show_default=True, type=int,
-                     help="Seed of random weights (--shape) and of sampling."),
-        click.option("--drafter", type=click.Path(), default=None,
-                     help="EAGLE-3 drafter directory: speculative decoding instead of the target alone."),
-        click.option("--steps", default=7, show_default=True, type=int, help="Draft steps per cycle."),
-        click.option("--topk", default=1, show_default=True, type=int, help="Draft top-k: 1 chain, > 1 tree."),
-        click.option("--draft-tokens", default=None, type=int, help="Tree budget of draft tokens [default: steps+1]."),
-        click.option("--eager-verify", is_flag=True, help="Run the verify forward without CUDA graphs (the slow "
-                                                          "path of the game plan, for comparison)."),
-        click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text."),
-        click.option("--debug", is_flag=True, help="Show tracebacks."),
-    ]
-    for option in reversed(options):
-        f = option(f)
-    return f
-
-
-def default_device(device: str | None) -> str:
-    import torch
-
-    return device or ("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def load_engine(target, shape, device, dtype, max_seq_len, cuda_graphs, compile_, seed, drafter, steps, topk,
-                draft_tokens, eager_verify):
-    import torch
-
-    from engine.runtime import Engine
-
-    device = default_device(device)
-    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    return Engine.load(target=target, shape=shape, drafter=drafter, device=device, dtype=dtype,
-                       max_seq_len=max_seq_len, cuda_graphs=cuda_graphs, steps=steps, topk=topk,
-                       draft_tokens=draft_tokens, eager_verify=eager_verify, seed=seed, compile=compile_)
+# options shared by generate and bench: what to load and how to run it (engine/cli_options.py), plus their own
+model_options = engine_options(
+    None, "KV-cache length: prompt + new tokens must fit [default: generate 2048; bench: what the run needs, rounded "
+          "up to 128 - attention reads the whole cache].",
+    extra=[click.option("--compile", "compile_", is_flag=True,
+                        help="torch.compile the decode step's forward inside the CUDA graph (fuses small ops); "
+                             "bench: adds a 'compiled' row."),
+           click.option("--seed", default=0, show_default=True, type=int,
+                        help="Seed of random weights (--shape) and of sampling."),
+           click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")])
 
 
 @cli.command()

@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.cli_options import engine_options, load_engine
 from engine.errors import EngineError
 
 
@@ -591,47 +592,26 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Ite
 # ---------------------------------------------------------------------------------------------------- CLI
 
 @click.command("serve")
-@click.option("--target", default=None, help="HF-format model directory.")
-@click.option("--shape", default=None, help="Named random-weight shape instead of --target (e.g. tiny).")
-@click.option("--drafter", default=None, help="EAGLE-3 drafter directory; without it the target decodes alone.")
-@click.option("--device", default=None, help="cuda when available, else cpu.")
-@click.option("--dtype", default=None, help="float32 | bfloat16 | float16 [default: bf16 on cuda, fp32 on cpu].")
-@click.option("--max-seq-len", default=2048, show_default=True, type=click.IntRange(min=2),
-              help="KV-cache length: prompt + max_tokens must fit.")
-@click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True)
-@click.option("--steps", default=7, show_default=True, type=click.IntRange(min=1), help="Draft steps per cycle.")
-@click.option("--topk", default=1, show_default=True, type=click.IntRange(min=1), help="1: chain; > 1: tree.")
-@click.option("--draft-tokens", default=None, type=click.IntRange(min=2), help="Tree budget (default steps + 1).")
-@click.option("--eager-verify", is_flag=True, help="Verify without CUDA graphs (the game plan's slow path).")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Bind address; loopback unless told.")
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--api-key", default=None, envvar="SPECBOOK_API_KEY", help="Require 'Authorization: Bearer KEY'.")
-@click.option("--model-name", default="specbook", show_default=True, help="Model id reported to clients.")
-@click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(min=1))
-@click.option("--max-prompt-tokens", default=None, type=click.IntRange(min=1), help="Default: the cache - 1.")
-@click.option("--max-tokens-limit", default=4096, show_default=True, type=click.IntRange(min=1))
-@click.option("--queue-size", default=64, show_default=True, type=click.IntRange(min=1),
-              help="Requests waiting behind the running one; beyond it: 429.")
-@click.option("--debug", is_flag=True, help="Show tracebacks.")
-def serve_command(target: str | None, shape: str | None, drafter: str | None, device: str | None, dtype: str | None,
-                  max_seq_len: int, cuda_graphs: bool, steps: int, topk: int, draft_tokens: int | None,
-                  eager_verify: bool, host: str,
-                  port: int, api_key: str | None, model_name: str, max_body_bytes: int,
-                  max_prompt_tokens: int | None, max_tokens_limit: int, queue_size: int, debug: bool) -> None:
+@engine_options(2048, "KV-cache length: prompt + max_tokens must fit.", extra=[
+    click.option("--host", default="127.0.0.1", show_default=True, help="Bind address; loopback unless told."),
+    click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535)),
+    click.option("--api-key", default=None, envvar="SPECBOOK_API_KEY", help="Require 'Authorization: Bearer KEY'."),
+    click.option("--model-name", default="specbook", show_default=True, help="Model id reported to clients."),
+    click.option("--max-body-bytes", default=1 << 20, show_default=True, type=click.IntRange(min=1)),
+    click.option("--max-prompt-tokens", default=None, type=click.IntRange(min=1), help="Default: the cache - 1."),
+    click.option("--max-tokens-limit", default=4096, show_default=True, type=click.IntRange(min=1)),
+    click.option("--queue-size", default=64, show_default=True, type=click.IntRange(min=1),
+                 help="Requests waiting behind the running one; beyond it: 429."),
+])
+def serve_command(host: str, port: int, api_key: str | None, model_name: str, max_body_bytes: int,
+                  max_prompt_tokens: int | None, max_tokens_limit: int, queue_size: int, debug: bool,
+                  **load: Any) -> None:
     """OpenAI-compatible server for the bundled engine (/v1/completions, /v1/chat/completions, /metrics)."""
-    import torch
     import uvicorn
 
-    from engine.runtime import Engine
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-
     try:
-        eng = Engine.load(target=target, shape=shape, drafter=drafter, device=device, dtype=dtype,
-                          max_seq_len=max_seq_len, cuda_graphs=cuda_graphs, steps=steps, topk=topk,
-                          draft_tokens=draft_tokens, eager_verify=eager_verify)
-    except EngineError as e:
+        eng = load_engine(**load)
+    except EngineError as e:  # one line and exit 2 also when this command runs outside engine/__main__.py's group
         if debug:
             raise
         click.echo(f"error: {e}", err=True)
@@ -640,4 +620,4 @@ def serve_command(target: str | None, shape: str | None, drafter: str | None, de
         click.echo(f"warning: serving on {host} without --api-key: anyone who can reach it can use it", err=True)
     cfg = ServeConfig(model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                       max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit, queue_size=queue_size)
-    uvicorn.run(create_app(eng, cfg, load_chat_template(target)), host=host, port=port, log_level="info")
+    uvicorn.run(create_app(eng, cfg, load_chat_template(load["target"])), host=host, port=port, log_level="info")

@@ -1,0 +1,68 @@
+"""The model-loading options of `python -m engine generate | bench | serve` and the helper that turns them into an
+engine.runtime.Engine: one definition for every command that loads a model.
+
+Only click here at import time (torch and the engine load inside the helpers), so engine/__main__.py and
+engine/serve.py can both import it without importing each other.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import click
+
+
+def engine_options(max_seq_len: int | None, max_seq_len_help: str,
+                   extra: Sequence[Callable[[Callable], Callable]] = ()) -> Callable[[Callable], Callable]:
+    """A decorator adding what to load and how to run it. `max_seq_len` is the command's --max-seq-len default (None:
+    the command decides); `extra` are the command's own options, listed before --debug."""
+    options = [
+        click.option("--target", type=click.Path(), default=None,
+                     help="HF-format model directory (config.json, *.safetensors, tokenizer.json)."),
+        click.option("--shape", default=None, help="Named random-weight shape instead of --target: tiny, small, "
+                                                   "llama-3.2-1b, llama-3.1-8b, qwen3-8b, ..."),
+        click.option("--device", default=None, help="cpu or cuda [default: cuda when available, else cpu]."),
+        click.option("--dtype", default=None, help="float32 | bfloat16 | float16 (fp32/bf16/fp16) "
+                                                   "[default: bf16 on cuda, fp32 on cpu]."),
+        click.option("--max-seq-len", default=max_seq_len, show_default=max_seq_len is not None,
+                     type=click.IntRange(min=2), help=max_seq_len_help),
+        click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True,
+                     help="Replay the decode step as a CUDA graph (no effect on cpu)."),
+        click.option("--drafter", type=click.Path(), default=None,
+                     help="EAGLE-3 drafter directory: speculative decoding instead of the target alone."),
+        click.option("--steps", default=7, show_default=True, type=click.IntRange(min=1),
+                     help="Draft steps per cycle."),
+        click.option("--topk", default=1, show_default=True, type=click.IntRange(min=1),
+                     help="Draft top-k: 1 chain, > 1 tree."),
+        click.option("--draft-tokens", default=None, type=click.IntRange(min=2),
+                     help="Tree budget of draft tokens [default: steps+1]."),
+        click.option("--eager-verify", is_flag=True, help="Run the verify forward without CUDA graphs (the slow "
+                                                          "path of the game plan, for comparison)."),
+        click.option("--compile-drafter", is_flag=True,
+                     help="torch.compile the draft step inside its CUDA graph (needs --drafter; opt-in)."),
+        *extra,
+        click.option("--debug", is_flag=True, help="Show tracebacks."),
+    ]
+
+    def decorate(f: Callable) -> Callable:
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return decorate
+
+
+def default_device(device: str | None) -> str:
+    import torch
+
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_engine(device: str | None = None, dtype: str | None = None, compile_: bool = False, **options: Any):
+    """engine.runtime.Engine.load from the options above (`compile_` is generate/bench's --compile); the device
+    defaults to cuda when available, the dtype to bf16 on cuda and fp32 on cpu."""
+    from engine.runtime import Engine
+
+    device = default_device(device)
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    return Engine.load(device=device, dtype=dtype, compile=compile_, **options)
