@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 
 from engine.config import ModelConfig
 from engine.errors import EngineError
-from engine.loading import init_weights, load_state, read_safetensors, resolve_dtype, weight_files
+from engine.loading import init_weights, load_state, read_config, read_safetensors, resolve_dtype, weight_files
 from engine.model import DEFAULT_ROPE_LEN, MLP, Attention, RMSNorm, hf_to_internal, internal_to_hf
 from engine.rope import rope_tables
 
@@ -297,16 +297,6 @@ def check_layout(sd: dict[str, torch.Tensor], drafter: Eagle3Drafter, where: str
                           f"vocabulary [0, {V})")
 
 
-def read_drafter_config(path: Path) -> Eagle3Config:
-    f = path / "config.json"
-    if not f.is_file():
-        raise EngineError(f"{path}: no config.json")
-    try:
-        return Eagle3Config.from_hf(json.loads(f.read_text()))
-    except json.JSONDecodeError as e:
-        raise EngineError(f"{f}: invalid JSON ({e})") from None
-
-
 def _rename(key: str) -> str:
     for old, new in _VLLM_RENAMES:
         if key.startswith(old):
@@ -319,9 +309,7 @@ def load_drafter(path: str | Path, target: nn.Module, device: str | torch.device
     """A published-format drafter directory, checked against `target` (a Transformer). Device and dtype default
     to the target's; d2t/t2d stay int64/bool."""
     path = Path(path)
-    if not path.is_dir():
-        raise EngineError(f"{path}: not a directory")
-    cfg = read_drafter_config(path)
+    cfg = read_config(path, Eagle3Config)
     sd = {_rename(k.removeprefix("model.")): v for k, v in read_safetensors(weight_files(path)).items()}
     own_embedding = "embed_tokens.weight" in sd
     check_fits(cfg, target.cfg, own_embedding)

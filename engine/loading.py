@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -32,7 +33,8 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def read_config(path: str | Path) -> ModelConfig:
+def read_config(path: str | Path, config_class: Any = ModelConfig) -> Any:
+    """`path`/config.json (HF keys) as a `config_class`: ModelConfig, or drafter.Eagle3Config for a drafter."""
     d = Path(path)
     if not d.is_dir():
         raise EngineError(f"{d}: not a directory")
@@ -40,7 +42,7 @@ def read_config(path: str | Path) -> ModelConfig:
     if not f.is_file():
         raise EngineError(f"{d}: no config.json")
     try:
-        return ModelConfig.from_hf(json.loads(f.read_text()))
+        return config_class.from_hf(json.loads(f.read_text()))
     except json.JSONDecodeError as e:
         raise EngineError(f"{f}: invalid JSON ({e})") from None
 
