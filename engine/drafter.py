@@ -35,8 +35,7 @@ from safetensors.torch import save_file
 from engine.config import ModelConfig
 from engine.errors import EngineError
 from engine.loading import init_weights, load_state, read_config, read_safetensors, resolve_dtype, weight_files
-from engine.model import DEFAULT_ROPE_LEN, MLP, Attention, RMSNorm, hf_to_internal, internal_to_hf
-from engine.rope import rope_tables
+from engine.model import DEFAULT_ROPE_LEN, MLP, Attention, RMSNorm, RopeTables, hf_to_internal, internal_to_hf
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM")
 _VLLM_RENAMES = (("layers.0.", "midlayer."), ("draft_id_to_target_id", "d2t"))
@@ -126,7 +125,7 @@ class MidLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(RopeTables, nn.Module):
     def __init__(self, cfg: Eagle3Config, aux_layers: tuple[int, ...], embedding: nn.Embedding | None = None):
         super().__init__()
         self.cfg, self.aux_layers = cfg, tuple(aux_layers)
@@ -141,6 +140,7 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens = None if embedding is not None else nn.Embedding(mc.vocab_size, mc.hidden_size)
         self._target_embedding = (embedding,)
         self.max_seq_len = 0
+        self.rope_cfg, self.rope_dim = mc, mc.head_dim
         self._set_rope(DEFAULT_ROPE_LEN, None)
 
     @property
@@ -158,18 +158,10 @@ class Eagle3Drafter(nn.Module):
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
-    def _set_rope(self, length: int, device: torch.device | None) -> None:
-        mc = self.cfg.model
-        cos, sin = rope_tables(mc, mc.head_dim, length)
-        self.register_buffer("rope_cos", cos.to(device), persistent=False)
-        self.register_buffer("rope_sin", sin.to(device), persistent=False)
-
     def setup_caches(self, max_seq_len: int, batch_size: int = 1) -> None:
         attn = self.midlayer.self_attn
         attn.cache = attn.make_cache(batch_size, max_seq_len, self.dtype, self.device)
-        self.max_seq_len = max_seq_len
-        self._set_rope(max(max_seq_len, DEFAULT_ROPE_LEN), self.device)
-        self.register_buffer("slot_ids", torch.arange(max_seq_len, device=self.device), persistent=False)
+        self._fit_positions(max_seq_len)
 
     def drop_caches(self) -> None:
         self.midlayer.self_attn.cache = None

@@ -118,7 +118,24 @@ def block_parts(cfg: ModelConfig, i: int) -> tuple[nn.Module, nn.Module]:
     return Attention(cfg), MLP(cfg.hidden_size, cfg.intermediate_size)
 
 
-class Transformer(nn.Module):
+class RopeTables:
+    """The position buffers of a module over a static KV cache (Transformer, Eagle3Drafter): float32 cos/sin tables
+    `rope_cos`, `rope_sin` and the cache's `slot_ids`, none of them saved. The module sets `rope_cfg` (the
+    ModelConfig whose rope the tables follow) and `rope_dim`."""
+
+    def _set_rope(self, length: int, device: torch.device | None) -> None:
+        cos, sin = rope_tables(self.rope_cfg, self.rope_dim, length)  # float32, whatever the weights' dtype
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    def _fit_positions(self, max_seq_len: int) -> None:
+        """Once the caches hold max_seq_len tokens: tables for at least as many positions, one slot id per token."""
+        self.max_seq_len = max_seq_len
+        self._set_rope(max(max_seq_len, DEFAULT_ROPE_LEN), self.device)
+        self.register_buffer("slot_ids", torch.arange(max_seq_len, device=self.device), persistent=False)
+
+
+class Transformer(RopeTables, nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -128,7 +145,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rope_dim = cfg.qk_rope_head_dim if cfg.is_mla else cfg.head_dim
+        self.rope_cfg, self.rope_dim = cfg, cfg.qk_rope_head_dim if cfg.is_mla else cfg.head_dim
         self.max_seq_len = 0
         self._set_rope(min(cfg.max_position_embeddings, DEFAULT_ROPE_LEN), None)
 
@@ -140,19 +157,12 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def _set_rope(self, length: int, device: torch.device | None) -> None:
-        cos, sin = rope_tables(self.cfg, self.rope_dim, length)  # float32, whatever the weights' dtype
-        self.register_buffer("rope_cos", cos.to(device), persistent=False)
-        self.register_buffer("rope_sin", sin.to(device), persistent=False)
-
     def setup_caches(self, max_seq_len: int, batch_size: int = 1) -> None:
         """Preallocate every layer's cache for max_seq_len tokens; from now on forwards read and write it."""
         dev, dt = self.device, self.dtype
         for layer in self.layers:
             layer.self_attn.cache = layer.self_attn.make_cache(batch_size, max_seq_len, dt, dev)
-        self.max_seq_len = max_seq_len
-        self._set_rope(max(max_seq_len, DEFAULT_ROPE_LEN), dev)
-        self.register_buffer("slot_ids", torch.arange(max_seq_len, device=dev), persistent=False)
+        self._fit_positions(max_seq_len)
 
     def drop_caches(self) -> None:
         for layer in self.layers:
