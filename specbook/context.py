@@ -18,6 +18,7 @@ class Section:
     title: str
     lines: list[str]
     more: str  # where the lines left out can be read
+    share: float  # of the budget after the header
 
 
 def tokens(text: str) -> int:
@@ -33,14 +34,16 @@ def _headline(root: Path, runbook: str) -> set[str]:
 
 
 def number_lines(root: Path) -> list[str]:
-    """One line per runbook and profile: the verdict most of its numbers share, source, hardware, date, then its
-    headline metrics (those its header says it reproduces; all when it names none), a metric's own verdict only
-    where it differs."""
+    """One line per runbook and profile, those the docs quote first: the verdict most of its numbers share, source,
+    hardware, date, then its headline metrics (those its header says it reproduces; all when it names none), a
+    metric's own verdict only where it differs."""
     groups: dict[tuple[str, str], list[site.Row]] = {}
     for row in site.record_rows(root):
         groups.setdefault((row.runbook, row.profile), []).append(row)
+    quoted = {(c.runbook, c.profile) for path in claims.doc_files(root)
+              for c in claims.parse_claims(path.read_text(), path.name)[0]}
     lines = []
-    for (runbook, profile), rows in groups.items():
+    for (runbook, profile), rows in sorted(groups.items(), key=lambda g: (g[0] not in quoted, g[0])):
         headline = _headline(root, runbook)
         shown = [r for r in rows if r.metric in headline] or rows
         common = Counter(r.verdict for r in rows).most_common(1)[0][0]
@@ -103,7 +106,8 @@ def problem_lines(root: Path) -> list[str]:
 
 
 def build_context(root: Path | str, budget: int = 2000) -> str:
-    """The context pack, at most `budget` tokens (estimated)."""
+    """The context pack, at most `budget` tokens (estimated). Each section may fill the budget up to its cumulative
+    share, so a long list of numbers cannot crowd out the open decisions; what a section leaves unused carries on."""
     root = Path(root)
     head = ("# specbook context\n"
             "EAGLE-3 drafter moved from Kimi-K2 to Kimi-K2.5; numbers are records in baselines/ with verdicts "
@@ -111,29 +115,37 @@ def build_context(root: Path | str, budget: int = 2000) -> str:
             "Before trusting a number: `runbook show NAME`, `runbook env`, `runbook verify NAME`. "
             "Start with AGENTS.md and docs/index.md.\n")
     sections = [
-        Section("Numbers (runbook @ profile [verdict]: headline metrics)", number_lines(root), "`runbook show NAME`"),
-        Section("Docs problems", problem_lines(root), "`runbook verify --docs`"),
-        Section("Open decisions", decision_lines(root), "docs/decisions.md"),
-        Section("Next steps", next_step_lines(root), "docs/game-plan.md"),
+        Section("Numbers (runbook @ profile [verdict]: headline metrics)", number_lines(root), "`runbook show NAME`",
+                0.55),
+        Section("Docs problems", problem_lines(root), "`runbook verify --docs`", 0.15),
+        Section("Open decisions", decision_lines(root), "docs/decisions.md", 0.2),
+        Section("Next steps", next_step_lines(root), "docs/game-plan.md", 0.1),
     ]
     out = head
     if tokens(out) > budget:
         raise claims.DocsError(f"--budget {budget} is too small for the context header ({tokens(head)} tokens)")
+    share = 0.0
     for sec in sections:
-        if not sec.lines:
-            continue
-        title = f"\n## {sec.title}\n"
-        kept = []
-        for i, line in enumerate(sec.lines):
-            left = len(sec.lines) - i - 1
-            tail = f"- ... {left} more: {sec.more}\n" if left else ""
-            if tokens(out + title + "".join(kept) + line + "\n" + tail) > budget:
-                break
-            kept.append(line + "\n")
-        if not kept:
-            note = f"\n({sec.title}: {len(sec.lines)} left out for the budget; see {sec.more})\n"
-            out += note if tokens(out + note) <= budget else ""
-            continue
-        left = len(sec.lines) - len(kept)
-        out += title + "".join(kept) + (f"- ... {left} more: {sec.more}\n" if left else "")
+        share += sec.share
+        limit = budget if sec is sections[-1] else tokens(head) + int(share * (budget - tokens(head)))
+        out += _fit(sec, out, limit, budget)
     return out
+
+
+def _fit(sec: Section, out: str, limit: int, budget: int) -> str:
+    """As many of the section's lines as fit under `limit` tokens, with a pointer to the rest; a one-line note when
+    none fits."""
+    if not sec.lines:
+        return ""
+    title, kept = f"\n## {sec.title}\n", []
+    for i, line in enumerate(sec.lines):
+        left = len(sec.lines) - i - 1
+        tail = f"- ... {left} more: {sec.more}\n" if left else ""
+        if tokens(out + title + "".join(kept) + line + "\n" + tail) > limit:
+            break
+        kept.append(line + "\n")
+    if not kept:
+        note = f"\n({sec.title}: {len(sec.lines)} left out for the budget; see {sec.more})\n"
+        return note if tokens(out + note) <= budget else ""
+    left = len(sec.lines) - len(kept)
+    return title + "".join(kept) + (f"- ... {left} more: {sec.more}\n" if left else "")
