@@ -165,7 +165,7 @@ def target(root: Path, name: str, profile: str, overrides: dict[str, Any] | None
     params = rb.params_for(profile, overrides)
     upstream = {d: target(root, d, profile, None, (*_chain, name)) for d in rb.depends}
     inputs = {i: input_fingerprint(root, i) for i in rb.inputs}
-    engine = engine_hash(root)
+    engine = engine_hash(root, rb.source)
     h = inputs_hash(rb.source, params, engine, {d: t.inputs_hash for d, t in upstream.items()}, inputs)
     return Target(rb, profile, params, inputs, engine, upstream, h, root / ".specbook" / "outputs" / name / profile / h)
 

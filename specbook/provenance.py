@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import datetime as dt
 import functools
 import hashlib
@@ -58,12 +59,52 @@ def file_hash(path: str | os.PathLike) -> str:
     return sha(Path(path).read_bytes())
 
 
-def engine_hash(root: Path) -> str:
-    """Hash of engine/**/*.py (paths and contents): any engine change makes records stale."""
+def engine_hash(root: Path, source: str | None = None) -> str:
+    """Hash of the engine code a runbook uses (paths and contents): the engine modules its source imports, followed
+    through their own imports, so a change to the server does not make a decode benchmark stale. Without a source,
+    or when it does not parse, all of engine/**/*.py."""
+    files = engine_files(root, source) if source is not None else None
+    if files is None:
+        files = set((root / "engine").rglob("*.py"))
     h = hashlib.sha256()
-    for p in sorted((root / "engine").rglob("*.py")):
+    for p in sorted(files):
         h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:16]
+
+
+def _imported(source: str) -> set[str]:
+    """Dotted module names an import statement anywhere in the source may load (`from a import b` may be a.b)."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return {n for n in names if n == "engine" or n.startswith("engine.")}
+
+
+def engine_files(root: Path, source: str) -> set[Path] | None:
+    """The engine/ files the source imports, transitively, package __init__ files included; None if unparsable."""
+    try:
+        todo = list(_imported(source))
+    except SyntaxError:
+        return None
+    seen: set[str] = set()
+    files: set[Path] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__ and a/b/__init__ too
+            base = root.joinpath(*parts[:i])
+            for f in (base.with_suffix(".py"), base / "__init__.py"):
+                if f.is_file() and f not in files:
+                    files.add(f)
+                    todo.extend(_imported(f.read_text()))
+    return files
 
 
 def inputs_hash(runbook_source: str, params: dict, engine: str, upstream: dict[str, str],
@@ -167,7 +208,7 @@ def fingerprint(root: Path, runbook_source: str | None = None, params: dict | No
         "git_dirty": dirty,
         "runbook_hash": sha(runbook_source) if runbook_source is not None else None,
         "params_hash": sha(canonical(params)) if params is not None else None,
-        "engine_hash": engine_hash(root),
+        "engine_hash": engine_hash(root, runbook_source),
         "versions": versions(),
         "gpu": {"count": len(names), "names": sorted(set(names)), "driver": _driver() if names else None},
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},

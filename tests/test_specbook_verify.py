@@ -61,19 +61,23 @@ def _verdicts(vs: list[Verdict]) -> dict:
     return {(v.runbook, v.profile, v.metric): v.verdict for v in vs}
 
 
+USES_MODEL = 'import engine.model\nrecord("x", value, unit="u", direction="higher", rel_tol=0.1)'
+
+
 def test_stale_when_runbook_parameters_or_engine_change(tmp_path):
-    root = make_repo(tmp_path, a=runbook_text(), b=runbook_text(profiles="{cpu: {}, h200: {value: 2.0}}"))
+    root = make_repo(tmp_path, a=runbook_text(body=USES_MODEL),
+                     b=runbook_text(profiles="{cpu: {}, h200: {value: 2.0}}", body=USES_MODEL))
     (root / "engine").mkdir()
     (root / "engine" / "model.py").write_text("LAYERS = 2\n")
     _record_current(root, "a")
     _record_current(root, "b", "h200")
     assert _verdicts(status(root)) == {("a", "cpu", "x"): FRESH, ("b", "h200", "x"): FRESH}
 
-    write_runbook(root, "b", runbook_text(profiles="{cpu: {}, h200: {value: 3.0}}"))  # h200 parameters only
+    write_runbook(root, "b", runbook_text(profiles="{cpu: {}, h200: {value: 3.0}}", body=USES_MODEL))  # h200 only
     assert _verdicts(status(root)) == {("a", "cpu", "x"): FRESH, ("b", "h200", "x"): STALE}
     assert status(root, ["b"])[0].detail == "runbook, parameters changed since it was recorded"
 
-    write_runbook(root, "a", runbook_text(params="value = 1.0  # a comment is a change too"))
+    write_runbook(root, "a", runbook_text(params="value = 1.0  # a comment is a change too", body=USES_MODEL))
     assert (status(root, ["a"])[0].verdict, status(root, ["a"])[0].detail) == (
         STALE, "runbook changed since it was recorded")
 
@@ -81,6 +85,22 @@ def test_stale_when_runbook_parameters_or_engine_change(tmp_path):
     _record_current(root, "b", "h200")
     (root / "engine" / "model.py").write_text("LAYERS = 3\n")
     assert {(v.verdict, v.detail) for v in status(root)} == {(STALE, "engine changed since it was recorded")}
+
+
+def test_only_the_engine_code_a_runbook_imports_makes_it_stale(tmp_path):
+    """engine.model imports engine.rope; engine.serve is used by nobody here; runbook c imports no engine at all."""
+    root = make_repo(tmp_path, a=runbook_text(body=USES_MODEL), c=runbook_text())
+    (root / "engine").mkdir()
+    (root / "engine" / "__init__.py").write_text("")
+    (root / "engine" / "model.py").write_text("from engine.rope import THETA\n")
+    (root / "engine" / "rope.py").write_text("THETA = 1e4\n")
+    (root / "engine" / "serve.py").write_text("PORT = 8000\n")
+    _record_current(root, "a")
+    _record_current(root, "c")
+    (root / "engine" / "serve.py").write_text("PORT = 8001\n")
+    assert _verdicts(status(root)) == {("a", "cpu", "x"): FRESH, ("c", "cpu", "x"): FRESH}
+    (root / "engine" / "rope.py").write_text("THETA = 5e5\n")  # reached through engine.model's own import
+    assert _verdicts(status(root)) == {("a", "cpu", "x"): STALE, ("c", "cpu", "x"): FRESH}
 
 
 def test_stale_when_upstream_changes(tmp_path):
