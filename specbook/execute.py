@@ -90,6 +90,14 @@ def _cell(rb: Runbook, nb, source: str) -> str:
         f"cell {index}"
 
 
+class _KnownParameters(logging.Filter):
+    """papermill's parser misses annotated parameters (`steps: int | None = None`) and calls them unknown; the
+    parameters were already checked against the parameters cell (runbooks.parse_cli), so the warning is noise."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Passed unknown parameter")
+
+
 def execute(root: Path, rb: Runbook, params: dict[str, Any], notebook: Path, progress: bool = True) -> Execution:
     """Run the runbook with `params` injected; the executed notebook is written to `notebook` as it goes."""
     nb = jupytext.read(rb.path, fmt="py:percent")
@@ -103,7 +111,10 @@ def execute(root: Path, rb: Runbook, params: dict[str, Any], notebook: Path, pro
         return max(0.01, min(rb.cell_timeout, deadline - time.monotonic()))
 
     where = f"(partly executed notebook: {notebook})"
-    logging.getLogger("papermill").setLevel(logging.WARNING)  # its INFO lines repeat the progress bar
+    pm_log = logging.getLogger("papermill")
+    pm_log.setLevel(logging.WARNING)  # its INFO lines repeat the progress bar
+    if not any(isinstance(f, _KnownParameters) for f in pm_log.filters):
+        pm_log.addFilter(_KnownParameters())
     quiet_kernel = ["--IPKernelApp.log_level=CRITICAL"]  # its TCP warning and shutdown noise are not about the runbook
     try:
         with _environ({RECORD_FILE_ENV: str(records)}):
