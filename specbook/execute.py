@@ -153,6 +153,13 @@ class Target:
     inputs_hash: str
     outputs_dir: Path
 
+    def all_inputs(self) -> dict[str, str]:
+        """Declared input fingerprints of this runbook and everything upstream (a trained model carries its corpus)."""
+        out: dict[str, str] = {}
+        for t in self.upstream.values():
+            out.update(t.all_inputs())
+        return {**out, **self.inputs}
+
     @property
     def done(self) -> bool:
         return (self.outputs_dir / DONE).exists()
@@ -222,7 +229,7 @@ def _record(root: Path, t: Target, ex: Execution) -> str:
     params = _plain(t.params)
     run = {"id": records.new_run_id(date), "date": date, "source": "measured", "inputs_hash": t.inputs_hash,
            "parameters": params,
-           "provenance": _plain(fingerprint(root, t.rb.source, params, t.inputs))}
+           "provenance": _plain(fingerprint(root, t.rb.source, params, t.all_inputs()))}
     records.add_run(root, t.rb.name, t.profile, run, ex.metrics)
     return run["id"]
 

@@ -149,6 +149,7 @@ def _rerun(root: Path, name: str, profile: str, prof: dict, static: list[Verdict
                     .execution.metrics}
     except RunFailed as e:
         return [_with(v, FAILED, str(e)) if v.verdict != ELSEWHERE else v for v in static]
+    now = t.all_inputs()
     out = []
     for v in static:
         if v.verdict == ELSEWHERE:
@@ -157,9 +158,22 @@ def _rerun(root: Path, name: str, profile: str, prof: dict, static: list[Verdict
             out.append(_with(v, FAILED, "the re-run did not record it"))
         else:
             v.measured = measured[v.metric]
+            moved = changed_inputs(records.run_of(prof, prof["metrics"][v.metric]["run"]), now)
+            if moved:  # another corpus measures something else: no verdict on the number, only that it is old
+                v.verdict = STALE
+                v.detail = (f"{', '.join(moved)} differs from the recorded run's (another Python or package set): "
+                            "re-record on this machine to verify")
+                out.append(v)
+                continue
             v.change = drift(prof["metrics"][v.metric], v.measured)
             out.append(_with(v, DRIFTED, v.change) if v.change else v)
     return out
+
+
+def changed_inputs(run_entry: dict, now: dict[str, str]) -> list[str]:
+    """Declared inputs (e.g. the corpus, gathered from this machine) whose fingerprint differs from the run's."""
+    prov = run_entry.get("provenance") or {}
+    return [n for n, h in sorted(now.items()) if prov.get(f"{n}_manifest") not in (None, h)]
 
 
 def _with(v: Verdict, verdict: str, detail: str) -> Verdict:

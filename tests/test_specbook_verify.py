@@ -11,7 +11,7 @@ from specbook.provenance import canonical, sha
 from specbook.record import Metric
 from specbook.verify import (DRIFTED, ELSEWHERE, FAILED, FRESH, STALE, UNRECORDED, Verdict, age, drift, exit_code,
                              status, verify)
-from specbook_testing import make_repo, runbook_text, write_runbook
+from specbook_testing import cli, make_repo, runbook_text, write_runbook
 
 
 def entry(value: float, direction: str, rel: float = 0.0, abs_: float = 0.0) -> dict:
@@ -133,3 +133,21 @@ def test_reported_and_other_profiles_are_not_verifiable_here(tmp_path):
     assert all(v.age.endswith("d") or v.age.endswith("h") or v.age.endswith("m") for v in vs)
     assert verify(root, "cpu", profile="h200", progress=False, log=lambda m: None)[0].recorded == 227.0
     assert exit_code(vs) == 0
+
+
+def test_a_changed_declared_input_makes_a_rerun_stale_not_drifted(tmp_path, monkeypatch):
+    """The corpus is gathered from the machine: another package set measures something else, so a re-run on it
+    says stale (re-record here), not drifted - also for a runbook that only inherits the input from upstream."""
+    from specbook import provenance
+
+    monkeypatch.setitem(provenance.INPUTS, "data", lambda root: (root / "data.txt").read_text())
+    body = 'record("x", float(open("data.txt").read()), unit="u", direction="none")'
+    root = make_repo(tmp_path, up=runbook_text(extra_header="inputs: [data]", body=body),
+                     down=runbook_text(extra_header="depends: [up]", body=body))
+    (root / "data.txt").write_text("1.0")
+    assert cli(root, "run", "down").exit_code == 0
+    assert [v.verdict for v in verify(root, "cpu", progress=False, log=lambda *a: None)] == [FRESH, FRESH]
+    (root / "data.txt").write_text("2.0")
+    got = verify(root, "cpu", progress=False, log=lambda *a: None)
+    assert [(v.runbook, v.verdict, v.measured) for v in got] == [("down", STALE, 2.0), ("up", STALE, 2.0)]
+    assert "data differs" in got[0].detail and exit_code(got) == 0
