@@ -71,6 +71,8 @@ def _walk(root: Path, skip: tuple[Path, ...]) -> list[Path]:
     for p in sorted(root.rglob("*.py")):
         if any(p.is_relative_to(s) for s in skip) or "site-packages" in p.relative_to(root).parts[:-1]:
             continue
+        if p.name.startswith("__editable__"):  # pip's finder for an editable install names the checkout's path
+            continue
         out.append(p)
     return out
 
