@@ -101,11 +101,12 @@ def scan(roots: tuple[tuple[str, tuple[Path, ...]], ...] | None = None) -> tuple
 
 
 def manifest_hash(files: tuple[SourceFile, ...] | None = None) -> str:
-    """Fingerprint of the corpus (paths, sizes, content hashes): provenance's `corpus` input."""
+    """Fingerprint of the corpus (groups, sizes, content hashes): provenance's `corpus` input. Paths are left out:
+    the same packages in a venv at another place are the same training data."""
     files = scan() if files is None else files
     h = hashlib.sha256()
     for f in files:
-        h.update(f"{f.group}\0{f.path}\0{f.size}\0{f.digest}\n".encode())
+        h.update(f"{f.group}\0{f.size}\0{f.digest}\n".encode())
     return h.hexdigest()[:16]
 
 
