@@ -149,6 +149,12 @@ class ModelConfig:
         return {**self.extra, **d}
 
 
+def _yarn(factor: float, original: int, beta_fast: float = 32, beta_slow: float = 1) -> dict[str, Any]:
+    """DeepSeek-V3's YaRN settings (mscale and mscale_all_dim 1: the softmax scale grows with the factor)."""
+    return dict(rope_type="yarn", factor=factor, original_max_position_embeddings=original,
+                beta_fast=beta_fast, beta_slow=beta_slow, mscale=1.0, mscale_all_dim=1.0)
+
+
 # Named random-weight shapes: measure speed without checkpoints. Numbers follow the public configs.
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -186,8 +192,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                              num_experts_per_tok=4, n_shared_experts=1, moe_intermediate_size=128,
                              first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=4, topk_group=2,
                              rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=8192,
-                             rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=2048,
-                                               beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+                             rope_scaling=_yarn(4.0, 2048)),
     # The mini keeps DeepSeek's head dims, latent rank and routing (8 groups, 4 chosen)
     # with DeepSeek-V2-Lite's width and expert count, so one H200 holds it and the kernels see real shapes.
     "deepseek-v3-mini": dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=2048,
@@ -197,8 +202,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                              moe_intermediate_size=1408, first_k_dense_replace=1, routed_scaling_factor=2.5,
                              n_group=8, topk_group=4, rms_norm_eps=1e-6, rope_theta=10000.0,
                              max_position_embeddings=163840, bos_token_id=0, eos_token_id=1,
-                             rope_scaling=dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096,
-                                               beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+                             rope_scaling=_yarn(40.0, 4096)),
     "deepseek-v3": dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
                         num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512,
                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256,
@@ -206,8 +210,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                         first_k_dense_replace=3, routed_scaling_factor=2.5, n_group=8, topk_group=4,
                         rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=163840,
                         bos_token_id=0, eos_token_id=1,
-                        rope_scaling=dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096,
-                                          beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)),
+                        rope_scaling=_yarn(40.0, 4096)),
     "kimi-k2": dict(model_type="deepseek_v3", vocab_size=163840, hidden_size=7168, intermediate_size=18432,
                     num_hidden_layers=61, num_attention_heads=64, q_lora_rank=1536, kv_lora_rank=512,
                     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=384,
@@ -215,8 +218,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                     first_k_dense_replace=1, routed_scaling_factor=2.827, n_group=1, topk_group=1,
                     rms_norm_eps=1e-6, rope_theta=50000.0, max_position_embeddings=131072,
                     bos_token_id=163584, eos_token_id=163585,
-                    rope_scaling=dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096,
-                                      beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)),
+                    rope_scaling=_yarn(32.0, 4096, beta_fast=1.0, beta_slow=1.0)),
 }
 
 

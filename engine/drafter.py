@@ -147,14 +147,6 @@ class Eagle3Drafter(RopeTables, nn.Module):
     def embedding(self) -> nn.Embedding:
         return self.embed_tokens if self.embed_tokens is not None else self._target_embedding[0]
 
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 

@@ -123,6 +123,14 @@ class RopeTables:
     `rope_cos`, `rope_sin` and the cache's `slot_ids`, none of them saved. The module sets `rope_cfg` (the
     ModelConfig whose rope the tables follow) and `rope_dim`."""
 
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device  # every such module ends in a norm; .to() moves and casts it with the rest
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
     def _set_rope(self, length: int, device: torch.device | None) -> None:
         cos, sin = rope_tables(self.rope_cfg, self.rope_dim, length)  # float32, whatever the weights' dtype
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
@@ -148,14 +156,6 @@ class Transformer(RopeTables, nn.Module):
         self.rope_cfg, self.rope_dim = cfg, cfg.qk_rope_head_dim if cfg.is_mla else cfg.head_dim
         self.max_seq_len = 0
         self._set_rope(min(cfg.max_position_embeddings, DEFAULT_ROPE_LEN), None)
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
 
     def setup_caches(self, max_seq_len: int, batch_size: int = 1) -> None:
         """Preallocate every layer's cache for max_seq_len tokens; from now on forwards read and write it."""
