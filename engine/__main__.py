@@ -67,10 +67,7 @@ def int_list(ctx, param, value: str | None) -> list[int] | None:
 model_options = engine_options(
     None, "KV-cache length: prompt + new tokens must fit [default: generate 2048; bench: what the run needs, rounded "
           "up to 128 - attention reads the whole cache].",
-    extra=[click.option("--compile", "compile_", is_flag=True,
-                        help="torch.compile the decode step's forward inside the CUDA graph (fuses small ops); "
-                             "bench: adds a 'compiled' row."),
-           click.option("--seed", default=0, show_default=True, type=int,
+    extra=[click.option("--seed", default=0, show_default=True, type=int,
                         help="Seed of random weights (--shape) and of sampling."),
            click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")])
 
@@ -120,13 +117,15 @@ def bench(prompt_len, new_tokens, repeats, sizes, eager, peer, profile, as_json,
     the same run, forward cost per T, and transformers' static-cache generate as the peer."""
     from engine.bench import BenchConfig, format_table, run_bench
 
-    # --compile adds a "compiled" decode row; the engine itself stays plain so "graph" is the uncompiled step
+    # --compile adds a "compiled" baseline row; the target-alone engine stays plain so "graph" is the uncompiled
+    # step, and a speculative one is compiled (its row then compares with "compiled")
     import torch
 
     cfg = BenchConfig(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, sizes=tuple(sizes),
                       eager=eager, peer=peer, compile=load.pop("compile_"), seed=load["seed"], profile=profile)
     cfg = cfg.resolve(torch.device(default_device(load["device"])))
-    eng = load_engine(**{**load, "max_seq_len": load["max_seq_len"] or cfg.cache_len()}, compile_=False)
+    eng = load_engine(**{**load, "max_seq_len": load["max_seq_len"] or cfg.cache_len()},
+                      compile_=cfg.compile and load["drafter"] is not None)
     r = run_bench(eng, cfg)
     click.echo(json.dumps(r.to_dict()) if as_json else format_table(r))
 

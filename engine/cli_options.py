@@ -38,8 +38,9 @@ def engine_options(max_seq_len: int | None, max_seq_len_help: str,
                      help="Tree budget of draft tokens [default: steps+1]."),
         click.option("--eager-verify", is_flag=True, help="Run the verify forward without CUDA graphs (the slow "
                                                           "path of the game plan, for comparison)."),
-        click.option("--compile-drafter", is_flag=True,
-                     help="torch.compile the draft step inside its CUDA graph (needs --drafter; opt-in)."),
+        click.option("--compile", "compile_", is_flag=True,
+                     help="torch.compile inside the CUDA graphs (fuses small ops): the decode step's forward, or with "
+                          "--drafter the draft steps and verify; bench: adds a 'compiled' baseline row."),
         *extra,
         click.option("--debug", is_flag=True, help="Show tracebacks."),
     ]

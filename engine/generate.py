@@ -129,7 +129,7 @@ class Generator:
         if prefill_chunk <= 0:
             raise EngineError(f"prefill_chunk must be positive, got {prefill_chunk}")
         self.model, self.max_seq_len, self.prefill_chunk = model, max_seq_len, prefill_chunk
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs, self.compile = cuda_graphs, compile
         self.device = model.device
         self.state = DecodeState.empty(max_seq_len, self.device)
         self._forward = torch.compile(model, fullgraph=True, dynamic=False) if compile else model

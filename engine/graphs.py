@@ -6,6 +6,7 @@ is always clear which graph a step replays and which buffers it may overwrite.
 """
 from __future__ import annotations
 
+import gc
 from typing import Any, Callable
 
 import torch
@@ -40,8 +41,16 @@ class CapturedCall:
                 self.fn(**self.inputs)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.outputs = self.fn(**self.inputs)
+        # A graph of a decoder that died is freed when the garbage collector runs, and freeing a graph while
+        # another is being captured invalidates that capture: no collection during ours.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.outputs = self.fn(**self.inputs)
+        finally:
+            if collecting:
+                gc.enable()
 
     def __call__(self, **inputs: torch.Tensor) -> Outputs:
         if self.graph is None:  # eager: inputs not given are the static buffers, as in a replay

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import decode_attention
 from engine.cache import KVCache
 from engine.config import ModelConfig
 from engine.errors import EngineError
@@ -71,10 +72,13 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
     Each KV head's query heads are stacked along the query axis, so plain SDPA computes GQA and its fused kernels
     (memory-efficient, cuDNN) accept the mask: with enable_gqa and a mask only the math kernel runs on CUDA, and it
-    materialises the repeated K/V of the whole cache in every layer of every decode step."""
+    materialises the repeated K/V of the whole cache in every layer of every decode step. Short queries on CUDA
+    (decode, verify, draft steps) take the split-KV kernel of engine.decode_attention instead."""
     B, H, T, D = q.shape
     kv = k.shape[1]
     rep = H // kv
+    if mask is not None and decode_attention.available(q, k, rep * T):
+        return decode_attention.split_kv_attention(q.reshape(B, kv, rep * T, D), k, v, mask, T).reshape(B, H, T, -1)
     if rep == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[None, None],
                                               is_causal=mask is None)

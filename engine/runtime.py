@@ -52,18 +52,13 @@ class Engine:
     def load(cls, target: str | None = None, shape: str | None = None, drafter: str | None = None,
              device: str = "cpu", dtype: str = "float32", max_seq_len: int = 2048, cuda_graphs: bool = True,
              steps: int = 7, topk: int = 1, draft_tokens: int | None = None, eager_verify: bool = False,
-             seed: int = 0, compile: bool = False, prefill_chunk: int = 512,
-             compile_drafter: bool = False) -> "Engine":
-        """A target directory (HF format) or a named random-weight shape; with `drafter`, EAGLE-3 speculation
-        (`compile_drafter`: its draft step through torch.compile inside the CUDA graph, opt-in)."""
+             seed: int = 0, compile: bool = False, prefill_chunk: int = 512) -> "Engine":
+        """A target directory (HF format) or a named random-weight shape; with `drafter`, EAGLE-3 speculation.
+        `compile`: torch.compile inside the CUDA graphs (the decode step, or the draft steps and verify)."""
         if (target is None) == (shape is None):
             raise EngineError("give exactly one of a target directory (--target) or a random-weight shape (--shape)")
         if max_seq_len <= 1:
             raise EngineError(f"max_seq_len must be at least 2, got {max_seq_len}")
-        if compile and drafter is not None:
-            raise EngineError("--compile applies to the target-alone decode step; it cannot be combined with --drafter")
-        if compile_drafter and drafter is None:
-            raise EngineError("--compile-drafter compiles the drafter's step; it needs --drafter")
         dev, dt = resolve_device(device), resolve_dtype(dtype)
         if target is not None:
             model, tokenizer, name = load_model(target, dev, dt), load_tokenizer(Path(target)), str(target)
@@ -79,7 +74,7 @@ class Engine:
             draft = load_drafter(drafter, model, device=dev, dtype=dt)
             decoder = SpecDecoder(model, draft, max_seq_len, steps, topk, draft_tokens, cuda_graphs=cuda_graphs,
                                   eager_verify=eager_verify, prefill_chunk=prefill_chunk,
-                                  compile_drafter=compile_drafter)
+                                  compile=compile)
         return cls(model, decoder, tokenizer, name)
 
     @property

@@ -101,7 +101,7 @@ class SpecDecoder:
 
     def __init__(self, target: torch.nn.Module, drafter: Eagle3Drafter, max_seq_len: int, steps: int = 7,
                  topk: int = 1, draft_tokens: int | None = None, cuda_graphs: bool = True, eager_verify: bool = False,
-                 prefill_chunk: int = 512, compile_drafter: bool = False):
+                 prefill_chunk: int = 512, compile: bool = False):
         if max_seq_len <= 1:
             raise EngineError(f"max_seq_len must be at least 2, got {max_seq_len}")
         self.shape = TreeShape.make(steps, topk, draft_tokens)
@@ -113,9 +113,7 @@ class SpecDecoder:
         self.target, self.drafter, self.max_seq_len = target, drafter, max_seq_len
         self.cuda_graphs, self.eager_verify, self.prefill_chunk = cuda_graphs, eager_verify, prefill_chunk
         self.device = target.device
-        # The draft step is ~90 small kernels around ~750 MB of matrix reads (8b shape): inductor fuses the norms,
-        # RoPE and selection ops, inside our own graph. One shape only ([1, topk]); extend and prefill stay eager.
-        self._step_forward = torch.compile(drafter, fullgraph=True, dynamic=False) if compile_drafter else drafter
+        self.compile = compile
         self.state = DraftState.empty(self.shape, drafter.cfg.hidden_size, drafter.dtype, self.device)
         self.inputs = {n: TreeInputs.empty(n, max_seq_len, target.cfg.vocab_size, self.device)
                        for n in (1, self.shape.draft_tokens)}
@@ -159,7 +157,7 @@ class SpecDecoder:
             pos = (start - 1 + i).expand(K)
             own = st.beam_anc | itself
             mask = torch.cat([(prefix_slots < start)[None, :].expand(K, S), own], dim=1)
-            logits, out = self._step_forward(st.beam_hidden, st.beam_tokens[None], pos, slots, mask)
+            logits, out = self.drafter(st.beam_hidden, st.beam_tokens[None], pos, slots, mask)
             scores, ids, rows = top_children(st.beam_scores, F.log_softmax(logits[0], -1), K)
             st.pool_scores[off:off + K * K] = scores
             st.pool_tokens[off:off + K * K] = self.drafter.draft_to_target(ids)
@@ -204,6 +202,13 @@ class SpecDecoder:
 
         return verify
 
+    def _compiled(self, fn):
+        """With `compile`, fn through torch.compile (inductor), captured inside our own graph like the eager fn.
+        A draft step is ~100 small kernels (norms, RoPE, log-softmax, top-k, state updates) around ~750 MB of matrix
+        reads at the 8b shape, and verify several hundred around the target's weights: inductor fuses the small
+        ones. One shape each, so no recompiles; extend and prefill stay eager."""
+        return torch.compile(fn, fullgraph=True, dynamic=False) if self.compile else fn
+
     # ---- setup --------------------------------------------------------------------------------------------
     @torch.no_grad()
     def _prepare(self, sampling: SamplingParams) -> None:
@@ -231,7 +236,7 @@ class SpecDecoder:
 
             self._extend = GraphSet(self._extend_fn, feats, range(1, self.shape.steps + 2), enabled=on)
             st.start.zero_()  # the tree-build and verify warm-ups then write slots 0..N-1
-            self._draft = {i: CapturedCall(self._draft_fn(i), {"start": st.start}, enabled=on)
+            self._draft = {i: CapturedCall(self._compiled(self._draft_fn(i)), {"start": st.start}, enabled=on)
                            for i in range(1, self.shape.steps)}
             self._build = {n: CapturedCall(self._build_fn(n), {"start": st.start}, enabled=on) for n in self.inputs}
 
@@ -243,8 +248,10 @@ class SpecDecoder:
             self._compact = GraphSet(self.target.move_cache, slots, range(2, self.shape.steps + 2), enabled=on)
         for n in self.inputs:
             if (n, sampling) not in self._verify:
-                self._verify[n, sampling] = CapturedCall(self._verify_fn(n, sampling), vars(self.inputs[n]),
-                                                         enabled=on and not self.eager_verify)
+                eager = self.eager_verify  # the game plan's slow path: neither captured nor compiled
+                verify = self._verify_fn(n, sampling)
+                self._verify[n, sampling] = CapturedCall(verify if eager else self._compiled(verify),
+                                                         vars(self.inputs[n]), enabled=on and not eager)
 
     @torch.no_grad()
     def _prefill(self, ids: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -> None:

@@ -26,7 +26,7 @@
 # profiles:
 #   cpu: {device: cpu, dtype: float32, n_prompts: 4, prompt_len: 64, new_tokens: 64, repeats: 3, rel_tol: 0.75}
 #   h200: {device: cuda, dtype: bfloat16, n_prompts: 8, prompt_len: 128, new_tokens: 256, repeats: 5,
-#          cycle_shape: llama-3.1-8b, rel_tol: 0.15}
+#          cycle_shape: llama-3.1-8b, torch_compile: true, rel_tol: 0.15}
 # timeout: 3600
 # cell_timeout: 2400
 # ```
@@ -44,7 +44,7 @@ n_prompts = 4
 prompt_len = 64
 new_tokens = 64
 repeats = 3  # timed passes over the prompts; the median pass is recorded
-compile_drafter = False  # draft steps through torch.compile (inductor fusion) inside their CUDA graphs
+torch_compile = False  # also baseline and EAGLE-3 through torch.compile inside their graphs (compiled_* numbers)
 cycle_shape = ""  # a named shape for the cycle-cost measurement (h200: llama-3.1-8b); empty: skip
 cycle_accept_length = 3.86  # SGLang's H200 MT-bench accept length (chain, 7 steps, 8 tokens)
 max_seq_len = 512
@@ -90,13 +90,28 @@ print(f"target {target_dir} ({tgt.cfg.num_hidden_layers} layers, hidden {tgt.cfg
 
 # %%
 n_draft = draft_tokens or None
-base = Generator(tgt, max_seq_len, cuda_graphs=graphs)
-spec = SpecDecoder(tgt, dft, max_seq_len, steps, topk, n_draft, compile_drafter=compile_drafter)
-spec_eager = SpecDecoder(tgt, dft, max_seq_len, steps, topk, n_draft, eager_verify=True,
-                         compile_drafter=compile_drafter)
-stats = {name: cycle_stats(dec, prompts, new_tokens, repeats, seed)
-         for name, dec in (("baseline", base), ("eagle3", spec), ("eagle3_eager_verify", spec_eager))}
-exact = sum(a == b == c for a, b, c in zip(*(s.token_ids for s in stats.values()))) / len(prompts)
+
+
+def decoders(model, drafter, n_draft=None) -> dict:
+    """The three decoders, and with torch_compile the baseline and EAGLE-3 again with inductor inside the graphs
+    (like against like: a compiled EAGLE-3 is compared with a compiled baseline)."""
+    out = {"baseline": lambda: Generator(model, max_seq_len, cuda_graphs=graphs),
+           "eagle3": lambda: SpecDecoder(model, drafter, max_seq_len, steps, topk, n_draft),
+           "eagle3_eager_verify": lambda: SpecDecoder(model, drafter, max_seq_len, steps, topk, n_draft,
+                                                      eager_verify=True)}
+    if torch_compile:
+        out["compiled_baseline"] = lambda: Generator(model, max_seq_len, cuda_graphs=graphs, compile=True)
+        out["compiled_eagle3"] = lambda: SpecDecoder(model, drafter, max_seq_len, steps, topk, n_draft, compile=True)
+    return out
+
+
+def measure(model, drafter, prompts, n_draft=None) -> dict:
+    return {name: cycle_stats(make(), prompts, new_tokens, repeats, seed)
+            for name, make in decoders(model, drafter, n_draft).items()}
+
+
+stats = measure(tgt, dft, prompts, n_draft)
+exact = sum(len({tuple(t) for t in outs}) == 1 for outs in zip(*(s.token_ids for s in stats.values()))) / len(prompts)
 print(f"{'':22}{'tok/s':>9}{'ms/cycle':>10}{'accept':>8}{'draft':>8}{'verify':>8}{'other':>8}")
 for name, s in stats.items():
     print(f"{name:22}{s.tok_s:9.1f}{s.ms_per_cycle:10.2f}{s.accept_length:8.2f}{s.draft_ms:8.2f}{s.verify_ms:8.2f}"
@@ -108,7 +123,7 @@ import matplotlib.pyplot as plt
 
 fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.5))
 names = list(stats)
-a1.bar(names, [stats[n].tok_s for n in names], color=["grey", "tab:green", "tab:red"])
+a1.bar(names, [stats[n].tok_s for n in names], color=["grey", "tab:green", "tab:red", "silver", "darkgreen"][:len(names)])
 a1.set_ylabel("tok/s")
 a1.set_title(f"decode speed, {dev.type} {dtype}")
 bottom = [0.0] * len(names)
@@ -118,6 +133,8 @@ for part, color in (("draft_ms", "tab:blue"), ("verify_ms", "tab:orange"), ("oth
     bottom = [b + v for b, v in zip(bottom, vals)]
 a2.set_ylabel("ms per cycle (synchronised phases)")
 a2.legend()
+for ax in (a1, a2):
+    ax.tick_params(axis="x", labelrotation=20)
 plt.tight_layout()
 plt.show()
 
@@ -141,7 +158,8 @@ record("eager_verify_speedup", e.tok_s / b.tok_s, unit="x", rel_tol=rel_tol / 2,
 record("accept_length", s.accept_length, unit="tokens/cycle", direction="none", abs_tol=0.05,
        description=f"{what}: decode tokens per verify cycle, bonus token included")
 record("exact_match", exact, unit="fraction", direction="none",
-       description="prompts whose speculative outputs (graph and eager verify) equal the baseline's greedy output")
+       description="prompts on which every decoder (EAGLE-3 with graph or eager verify, compiled or not) gives the "
+                   "baseline's greedy output")
 record("cycle_ms", s.ms_per_cycle, unit="ms", direction="lower", rel_tol=rel_tol,
        description=f"{what}: wall time per verify cycle")
 record("eager_verify_cycle_ms", e.ms_per_cycle, unit="ms", direction="lower", rel_tol=rel_tol,
@@ -151,6 +169,14 @@ record("eager_over_graph_cycle", e.ms_per_cycle / s.ms_per_cycle, unit="x", dire
 for part in ("draft_ms", "verify_ms", "other_ms"):
     record(f"cycle_{part}", getattr(s, part), unit="ms", direction="lower", rel_tol=rel_tol,
            description=f"{what}: {part.removesuffix('_ms')} phase per cycle (phases synchronised)")
+if torch_compile:
+    cb, cs = stats["compiled_baseline"], stats["compiled_eagle3"]
+    record("compiled_baseline_tok_s", cb.tok_s, unit="tok/s", rel_tol=rel_tol, samples=cb.samples,
+           description=f"{what}: the target alone, decode step through torch.compile inside its graph")
+    record("compiled_eagle3_tok_s", cs.tok_s, unit="tok/s", rel_tol=rel_tol, samples=cs.samples,
+           description=f"{what}: EAGLE-3, draft steps and verify through torch.compile inside their graphs")
+    record("compiled_speedup", cs.tok_s / cb.tok_s, unit="x", rel_tol=rel_tol / 2,
+           description=f"{what}: compiled EAGLE-3 over the compiled baseline")
 
 # %% [markdown]
 # ## Cycle cost at a real shape
@@ -161,7 +187,7 @@ for part in ("draft_ms", "verify_ms", "other_ms"):
 
 # %%
 if cycle_shape:
-    del base, spec, spec_eager, tgt, dft
+    del tgt, dft
     gc.collect()
     if graphs:
         torch.cuda.empty_cache()
@@ -170,13 +196,7 @@ if cycle_shape:
                         seed=seed, device=dev, dtype=dt)
     g = torch.Generator().manual_seed(seed)
     big_prompts = [torch.randint(0, big.cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(2)]
-    big_stats = {name: cycle_stats(dec, big_prompts, new_tokens, repeats, seed)
-                 for name, dec in (("baseline", Generator(big, max_seq_len, cuda_graphs=graphs)),
-                                   ("eagle3", SpecDecoder(big, big_d, max_seq_len, steps, 1,
-                                                          compile_drafter=compile_drafter)),
-                                   ("eagle3_eager_verify", SpecDecoder(big, big_d, max_seq_len, steps, 1,
-                                                                       eager_verify=True,
-                                                                       compile_drafter=compile_drafter)))}
+    big_stats = measure(big, big_d, big_prompts)
     step_ms = big_stats["baseline"].ms_per_cycle
     for name, st in big_stats.items():
         print(f"{cycle_shape} {name:20} {st.ms_per_cycle:7.2f} ms per cycle ({st.ms_per_cycle / step_ms:.2f} x a "
@@ -199,3 +219,15 @@ if cycle_shape:
            description=f"{cycle_shape}: {cycle_accept_length} tokens per cycle at the measured cycle time")
     record(f"projected_speedup{sfx}", projected / big_stats["baseline"].tok_s, unit="x", rel_tol=rel_tol / 2,
            description=f"{cycle_shape}: projected tok/s over the engine's own baseline (issue 4 asks >= 2.6)")
+    if torch_compile:  # the same cycle with inductor in every graph, against the compiled decode step
+        cstep, cc = big_stats["compiled_baseline"].ms_per_cycle, big_stats["compiled_eagle3"].ms_per_cycle
+        print(f"{cycle_shape} compiled: {cc:.2f} ms per cycle against a {cstep:.2f} ms decode step ({cc / cstep:.2f}x)")
+        record(f"compiled_decode_step_ms{sfx}", cstep, unit="ms", direction="lower", rel_tol=rel_tol,
+               description=f"{cycle_shape}: one decode step, torch.compile inside the graph")
+        record(f"compiled_cycle_ms{sfx}", cc, unit="ms", direction="lower", rel_tol=rel_tol,
+               description=f"{cycle_shape}: one chain cycle, draft steps and verify compiled")
+        record(f"compiled_cycle_over_step{sfx}", cc / cstep, unit="x", direction="lower", rel_tol=rel_tol / 2,
+               description=f"{cycle_shape}: compiled chain cycle over compiled decode step")
+        record(f"compiled_projected_speedup{sfx}", cycle_accept_length / cc * cstep, unit="x", rel_tol=rel_tol / 2,
+               description=f"{cycle_shape}: projected compiled EAGLE-3 over the compiled baseline at "
+                           f"{cycle_accept_length} tokens per cycle")

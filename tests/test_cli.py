@@ -201,14 +201,13 @@ def test_generate_bench_and_serve_share_the_model_options():
     pytest.importorskip("fastapi")
     names = {c: {p.name for p in cli.commands[c].params} for c in ("generate", "bench", "serve")}
     shared = {"target", "shape", "drafter", "device", "dtype", "max_seq_len", "cuda_graphs", "steps", "topk",
-              "draft_tokens", "eager_verify", "compile_drafter", "debug"}
+              "draft_tokens", "eager_verify", "compile_", "debug"}
     assert all(shared <= n for n in names.values()), names
     max_len = {c: next(p for p in cli.commands[c].params if p.name == "max_seq_len").default for c in names}
     assert max_len == {"generate": None, "bench": None, "serve": 2048}
 
 
 @pytest.mark.parametrize("args,words", [
-    (["--compile-drafter"], ["--compile-drafter", "--drafter"]),
     (["--steps", "0"], ["--steps"]),
     (["--max-seq-len", "1"], ["--max-seq-len"]),
 ])
@@ -216,15 +215,15 @@ def test_bad_model_options_are_one_line(args, words):
     assert_bad_input(run("generate", "--shape", "tiny", "--prompt", "x", *args), *words)
 
 
-def test_compile_drafter_reaches_the_draft_step(tmp_path, model_dir, monkeypatch):
+def test_compile_reaches_the_draft_steps_and_verify(tmp_path, model_dir, monkeypatch):
     from engine.drafter import new_drafter, save_drafter
     from engine.loading import load_model
 
     target = load_model(model_dir)
     save_drafter(new_drafter(target.cfg, torch.arange(target.cfg.vocab_size), seed=1), tmp_path / "drafter")
     compiled = []
-    monkeypatch.setattr(torch, "compile", lambda m, **kw: compiled.append(type(m).__name__) or m)
-    r = run("generate", "--target", str(model_dir), "--drafter", str(tmp_path / "drafter"), "--compile-drafter",
+    monkeypatch.setattr(torch, "compile", lambda f, **kw: compiled.append(f.__name__) or f)
+    r = run("generate", "--target", str(model_dir), "--drafter", str(tmp_path / "drafter"), "--compile",
             "--max-seq-len", "64", "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json")
     assert r.exit_code == 0, r.stderr
-    assert compiled == ["Eagle3Drafter"] and json.loads(r.stdout)["speculative"]
+    assert sorted(set(compiled)) == ["step", "verify"] and json.loads(r.stdout)["speculative"]

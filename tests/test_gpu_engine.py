@@ -85,3 +85,24 @@ def test_engine_bf16_and_bench_on_cuda():
     assert b.decode["graph"].tok_s > b.decode["eager"].tok_s  # graph replay beats per-kernel launches
     assert 0 < b.gemv_ms < b.decode["graph"].ms_per_token  # the matrix work alone is a floor
     assert b.step_ms["matrix"] > 0 and b.step_ms["attention"] > 0 and b.step_ms["kernels"] > 20
+
+
+@pytest.mark.parametrize("heads,kv,T,S,valid", [(32, 8, 1, 384, 200), (32, 8, 8, 384, 300), (16, 4, 16, 4096, 4000),
+                                                (8, 8, 4, 130, 100)])
+def test_split_kv_attention_matches_sdpa(heads, kv, T, S, valid, monkeypatch):
+    from engine import decode_attention
+    from engine.model import grouped_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, heads, T, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(1, kv, S, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    causal = torch.arange(S, device="cuda")[None, :] <= torch.arange(valid - T, valid, device="cuda")[:, None]
+    tree = causal & (torch.rand(T, S, device="cuda", generator=g) < 0.7)  # arbitrary visibility, as a tree mask
+    tree[:, 0] = True
+    for mask in (causal, tree):
+        assert decode_attention.available(q, k, heads // kv * T)
+        got = grouped_attention(q, k, v, mask)
+        monkeypatch.setattr(decode_attention, "enabled", False)
+        want = grouped_attention(q, k, v, mask)
+        monkeypatch.setattr(decode_attention, "enabled", True)
+        assert (got.float() - want.float()).abs().max().item() < 2e-2

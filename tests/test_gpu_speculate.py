@@ -81,9 +81,9 @@ def test_timed_phases_on_cuda():
 
 
 @pytest.mark.parametrize("steps,topk,n", [(7, 1, None), (3, 3, 8)])
-def test_compiled_draft_step_in_graph_matches(steps, topk, n):
+def test_compiled_draft_steps_and_verify_in_graphs_match(steps, topk, n):
     t, d = on_cuda(100.0)
-    runs = [[SpecDecoder(t, d, 256, steps, topk, n, compile_drafter=c).generate(p, 48) for p in prompts(3)]
+    runs = [[SpecDecoder(t, d, 256, steps, topk, n, compile=c).generate(p, 48) for p in prompts(3)]
             for c in (False, True)]
     assert [r.token_ids for r in runs[0]] == [r.token_ids for r in runs[1]]
     assert [r.accept_hist for r in runs[0]] == [r.accept_hist for r in runs[1]]

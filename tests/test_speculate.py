@@ -297,12 +297,12 @@ def test_cycle_stats_for_baseline_and_speculation():
     assert spec.accept_length > 3 and spec.ms_per_cycle > 0 and spec.draft_ms > 0
 
 
-def test_compiled_draft_step_gives_the_same_tokens():
+def test_compiled_draft_steps_and_verify_give_the_same_tokens():
     t = bigram_target(100.0)
     d = drafter_for(t, oracle=True, miss=3)
     p = prompts(2)
     want = [SpecDecoder(t, d, 96, 3, 2, 6).generate(x, 24) for x in p]
-    got = [SpecDecoder(t, d, 96, 3, 2, 6, compile_drafter=True).generate(x, 24) for x in p]
+    got = [SpecDecoder(t, d, 96, 3, 2, 6, compile=True).generate(x, 24) for x in p]
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert [r.accept_hist for r in got] == [r.accept_hist for r in want]
     assert sum(sum(r.accept_hist[2:]) for r in want) > 0  # drafts were accepted: the compiled step drafted them

@@ -1,0 +1,117 @@
+"""Split-KV ("flash-decoding") attention for short queries over the static cache, in Triton.
+
+A decode step's attention has few query rows (the query heads of one KV head, times T tokens) and reads the
+whole static cache. SDPA's fused kernels start one block per (KV head, row block): 8 blocks for the 8b shape on a
+132-SM GPU, ~12 us per layer at 384 cached tokens. Here the cache is cut into splits, each block computes a partial
+softmax over its split (all query rows of one KV head at once, so every K/V tile is read once), and a second kernel
+merges the splits by their log-sum-exp. Used by `engine.model.grouped_attention` on CUDA when Triton is installed;
+everything else (CPU, long queries) takes SDPA.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch wheels come without Triton
+    triton = None
+
+MAX_ROWS = 64  # query rows per KV head (query heads per KV head x tokens) this kernel takes
+BLOCK_N = 64  # cached positions per tile
+TARGET_BLOCKS = 264  # ~2 blocks per SM of an H100/H200
+
+
+enabled = True  # benchmarks switch it off to time SDPA on the same model
+
+
+def available(q: torch.Tensor, k: torch.Tensor, rows: int) -> bool:
+    # half precision only: in float32 tl.dot would round through TF32 where SDPA does not
+    return (enabled and triton is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+            and rows <= MAX_ROWS and k.stride(-1) == 1 and q.shape[-1] in (64, 128, 256))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _splitkv_partial(Q, K, V, Mask, O, ML, S, T, n_kv,
+                 sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_t,
+                 R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PER_SPLIT: tl.constexpr, SCALE: tl.constexpr):
+        bh, split = tl.program_id(0), tl.program_id(1)
+        b, h = bh // n_kv, bh % n_kv
+        rows = tl.arange(0, BLOCK_R)
+        d, dv = tl.arange(0, D), tl.arange(0, DV)
+        q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_r + d[None, :], mask=rows[:, None] < R, other=0.0)
+        m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, DV], tl.float32)
+        start = split * PER_SPLIT
+        stop = tl.minimum(start + PER_SPLIT, S)
+        for j in range(0, PER_SPLIT, BLOCK_N):
+            n = start + j + tl.arange(0, BLOCK_N)
+            inside = n < stop
+            k = tl.load(K + b * sk_b + h * sk_h + n[:, None] * sk_s + d[None, :], mask=inside[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * SCALE  # [BLOCK_R, BLOCK_N] fp32
+            # row r is token r % T of query head r // T (the caller stacks each KV head's query heads)
+            ok = tl.load(Mask + (rows % T)[:, None] * sm_t + n[None, :],
+                         mask=(rows[:, None] < R) & inside[None, :], other=0) != 0
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays empty
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            v = tl.load(V + b * sv_b + h * sv_h + n[:, None] * sv_s + dv[None, :], mask=inside[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l = l * alpha + tl.sum(p, 1)
+            m = m_new
+        base = (bh * tl.num_programs(1) + split) * BLOCK_R
+        tl.store(O + (base + rows[:, None]) * DV + dv[None, :], acc)
+        tl.store(ML + (base + rows) * 2, m)
+        tl.store(ML + (base + rows) * 2 + 1, l)
+
+    @triton.jit
+    def _splitkv_merge(O, ML, Out, so_b, so_h, so_r, n_kv,
+               R: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr, N_SPLIT: tl.constexpr):
+        bh = tl.program_id(0)
+        b, h = bh // n_kv, bh % n_kv
+        rows = tl.arange(0, BLOCK_R)
+        dv = tl.arange(0, DV)
+        m_all = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        for i in range(N_SPLIT):
+            m_all = tl.maximum(m_all, tl.load(ML + ((bh * N_SPLIT + i) * BLOCK_R + rows) * 2))
+        m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+        l = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, DV], tl.float32)
+        for i in range(N_SPLIT):
+            base = (bh * N_SPLIT + i) * BLOCK_R
+            w = tl.exp(tl.load(ML + (base + rows) * 2) - m_all)
+            l += w * tl.load(ML + (base + rows) * 2 + 1)
+            acc += w[:, None] * tl.load(O + (base + rows[:, None]) * DV + dv[None, :])
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # padding rows have l = 0
+        tl.store(Out + b * so_b + h * so_h + rows[:, None] * so_r + dv[None, :], out.to(Out.dtype.element_ty),
+                 mask=rows[:, None] < R)
+
+
+def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, tokens: int
+                       ) -> torch.Tensor:
+    """q [B, Hkv, R, D] (row r: token r % tokens of one of the KV head's query heads), k [B, Hkv, S, D],
+    v [B, Hkv, S, Dv], mask [tokens, S] bool -> [B, Hkv, R, Dv]."""
+    B, n_kv, R, D = q.shape
+    S, DV = k.shape[2], v.shape[3]
+    block_r = max(16, triton.next_power_of_2(R))  # tl.dot needs 16 rows
+    n_split = max(1, min(triton.cdiv(S, BLOCK_N), TARGET_BLOCKS // (B * n_kv)))
+    per_split = triton.cdiv(triton.cdiv(S, n_split), BLOCK_N) * BLOCK_N
+    n_split = triton.cdiv(S, per_split)
+    part = torch.empty(B * n_kv * n_split * block_r, DV, dtype=torch.float32, device=q.device)
+    ml = torch.empty(B * n_kv * n_split * block_r, 2, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, n_kv, R, DV, dtype=q.dtype, device=q.device)
+    q, mask = q.contiguous(), mask.contiguous()
+    _splitkv_partial[(B * n_kv, n_split)](
+        q, k, v, mask, part, ml, S, tokens, n_kv,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), mask.stride(0),
+        R=R, BLOCK_R=block_r, D=D, DV=DV, BLOCK_N=BLOCK_N, PER_SPLIT=per_split, SCALE=D ** -0.5, num_warps=4)
+    _splitkv_merge[(B * n_kv,)](part, ml, out, out.stride(0), out.stride(1), out.stride(2), n_kv,
+                        R=R, BLOCK_R=block_r, DV=DV, N_SPLIT=n_split, num_warps=4)
+    return out
