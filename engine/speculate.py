@@ -143,33 +143,38 @@ class SpecDecoder:
         st.root.copy_(tokens[0, -1:])
         st.start.add_(T)
 
-    def _draft_fn(self, i: int):
-        """Draft step i (1..k-1): the beams (depth i) at position root-1+i; their K*K children join the pool."""
+    def _draft_inputs(self, i: int) -> dict[str, torch.Tensor]:
+        """Static inputs of draft step i (1..k-1): all that differs between steps is data, so one compiled function
+        serves every step (one compile, not k-1)."""
         st, K, S = self.state, self.shape.topk, self.max_seq_len
-        off = K + (i - 1) * K * K
-        own_slots = torch.arange((i - 1) * K, i * K, device=self.device)  # scratch index of this step's entries
-        slots = S + own_slots
-        prefix_slots = torch.arange(S, device=self.device)
-        itself = torch.zeros_like(st.beam_anc)  # each beam sees its own new entry; built outside the graph
+        long = dict(dtype=torch.long, device=self.device)
+        own_slots = torch.arange((i - 1) * K, i * K, **long)  # scratch index of this step's entries
+        itself = torch.zeros_like(st.beam_anc)  # each beam sees its own new entry
         itself[torch.arange(K, device=self.device), own_slots] = True
+        off = K + (i - 1) * K * K
+        return {"start": st.start, "depth": torch.full((1,), i - 1, **long), "slots": S + own_slots,
+                "itself": itself, "dst": torch.arange(off, off + K * K, **long)}
 
-        def step(start: torch.Tensor) -> None:
-            pos = (start - 1 + i).expand(K)
-            own = st.beam_anc | itself
-            mask = torch.cat([(prefix_slots < start)[None, :].expand(K, S), own], dim=1)
-            logits, out = self.drafter(st.beam_hidden, st.beam_tokens[None], pos, slots, mask)
-            scores, ids, rows = top_children(st.beam_scores, F.log_softmax(logits[0], -1), K)
-            st.pool_scores[off:off + K * K] = scores
-            st.pool_tokens[off:off + K * K] = self.drafter.draft_to_target(ids)
-            st.pool_parents[off:off + K * K] = st.beam_pool[rows]
-            keep = scores.topk(K).indices
-            st.beam_scores.copy_(scores[keep])
-            st.beam_tokens.copy_(st.pool_tokens[off + keep])
-            st.beam_pool.copy_(off + keep)
-            st.beam_hidden.copy_(out[:, rows[keep]])
-            st.beam_anc.copy_(own[rows[keep]])
-
-        return step
+    def _draft_step(self, start: torch.Tensor, depth: torch.Tensor, slots: torch.Tensor, itself: torch.Tensor,
+                    dst: torch.Tensor) -> None:
+        """One draft step: the beams (at position root + depth) each propose K children; all K*K join the pool at
+        `dst`, the best K become the next beams."""
+        st, K, S = self.state, self.shape.topk, self.max_seq_len
+        pos = (start + depth).expand(K)
+        own = st.beam_anc | itself
+        mask = torch.cat([(self.target.slot_ids[:S] < start)[None, :].expand(K, S), own], dim=1)
+        logits, out = self.drafter(st.beam_hidden, st.beam_tokens[None], pos, slots, mask)
+        scores, ids, rows = top_children(st.beam_scores, F.log_softmax(logits[0], -1), K)
+        tokens = self.drafter.draft_to_target(ids)
+        st.pool_scores.index_copy_(0, dst, scores)
+        st.pool_tokens.index_copy_(0, dst, tokens)
+        st.pool_parents.index_copy_(0, dst, st.beam_pool[rows])
+        keep = scores.topk(K).indices
+        st.beam_scores.copy_(scores[keep])
+        st.beam_tokens.copy_(tokens[keep])
+        st.beam_pool.copy_(dst[keep])
+        st.beam_hidden.copy_(out[:, rows[keep]])
+        st.beam_anc.copy_(own[rows[keep]])
 
     def _build_fn(self, n: int):
         st, ti = self.state, self.inputs[n]
@@ -206,7 +211,7 @@ class SpecDecoder:
         """With `compile`, fn through torch.compile (inductor), captured inside our own graph like the eager fn.
         A draft step is ~100 small kernels (norms, RoPE, log-softmax, top-k, state updates) around ~750 MB of matrix
         reads at the 8b shape, and verify several hundred around the target's weights: inductor fuses the small
-        ones. One shape each, so no recompiles; extend and prefill stay eager."""
+        ones. One compile for all draft steps, one per verify size; extend and prefill stay eager."""
         return torch.compile(fn, fullgraph=True, dynamic=False) if self.compile else fn
 
     # ---- setup --------------------------------------------------------------------------------------------
@@ -236,8 +241,8 @@ class SpecDecoder:
 
             self._extend = GraphSet(self._extend_fn, feats, range(1, self.shape.steps + 2), enabled=on)
             st.start.zero_()  # the tree-build and verify warm-ups then write slots 0..N-1
-            self._draft = {i: CapturedCall(self._compiled(self._draft_fn(i)), {"start": st.start}, enabled=on)
-                           for i in range(1, self.shape.steps)}
+            step = self._compiled(self._draft_step)
+            self._draft = {i: CapturedCall(step, self._draft_inputs(i), enabled=on) for i in range(1, self.shape.steps)}
             self._build = {n: CapturedCall(self._build_fn(n), {"start": st.start}, enabled=on) for n in self.inputs}
 
             def slots(c: int) -> dict[str, torch.Tensor]:

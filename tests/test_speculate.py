@@ -306,3 +306,17 @@ def test_compiled_draft_steps_and_verify_give_the_same_tokens():
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert [r.accept_hist for r in got] == [r.accept_hist for r in want]
     assert sum(sum(r.accept_hist[2:]) for r in want) > 0  # drafts were accepted: the compiled step drafted them
+
+
+def test_one_compile_serves_every_draft_step():
+    """The draft steps differ only in data (their static inputs), so a 7-step chain compiles the step once: per-step
+    closures compiled 6 times each and hit dynamo's recompile limit with a second decoder in the same process."""
+    from torch._dynamo.utils import counters
+
+    t = bigram_target(100.0)
+    d = drafter_for(t, oracle=True, miss=3)
+    torch._dynamo.reset()
+    counters.clear()
+    r = SpecDecoder(t, d, 96, 7, 1, compile=True).generate(prompts(1)[0], 16)
+    assert counters["stats"]["unique_graphs"] == 2  # the draft step and the verify of 8 tokens
+    assert r.token_ids == Generator(t, 96).generate(prompts(1)[0], 16).token_ids
