@@ -27,6 +27,9 @@
 #   cpu: {device: cpu, dtype: float32, n_prompts: 4, prompt_len: 64, new_tokens: 64, repeats: 3, rel_tol: 0.75}
 #   h200: {device: cuda, dtype: bfloat16, n_prompts: 8, prompt_len: 128, new_tokens: 256, repeats: 5,
 #          cycle_shape: llama-3.1-8b, torch_compile: true, rel_tol: 0.15}
+#   cpu.dsv3: {device: cpu, dtype: float32, n_prompts: 4, prompt_len: 64, new_tokens: 64, repeats: 3, rel_tol: 0.75}
+#   h200.dsv3: {device: cuda, dtype: bfloat16, n_prompts: 8, prompt_len: 128, new_tokens: 256, repeats: 5,
+#               torch_compile: true, rel_tol: 0.15}
 # timeout: 3600
 # cell_timeout: 2400
 # ```

@@ -17,6 +17,8 @@
 # profiles:
 #   cpu: {preset: cpu, device: cpu}
 #   h200: {preset: gpu, device: cuda, samples: 2048}
+#   cpu.dsv3: {preset: cpu, device: cpu}
+#   h200.dsv3: {preset: gpu, device: cuda, samples: 2048}
 # timeout: 3600
 # cell_timeout: 3000
 # ```

@@ -20,6 +20,8 @@
 # profiles:
 #   cpu: {preset: cpu, device: cpu}
 #   h200: {preset: gpu, device: cuda}
+#   cpu.dsv3: {preset: cpu, device: cpu}
+#   h200.dsv3: {preset: gpu, device: cuda}
 # timeout: 3600
 # cell_timeout: 3000
 # ```

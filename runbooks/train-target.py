@@ -11,7 +11,9 @@
 #
 # Both are Hugging Face checkpoints (`target-a/`, `target-b/` in this runbook's outputs) that transformers and the
 # engine load. Training resumes after a kill. `-p family=deepseek_v3` trains MLA + MoE targets through the same
-# code; `-p target=DIR` (and `-p target_b=DIR`) evaluate existing checkpoints instead of training them.
+# code; the `.dsv3` profiles (`runbook run train-target --profile cpu.dsv3`) do that and record apart, and every
+# runbook downstream has the same profiles, so the approaches run on the game plan's own architecture too.
+# `-p target=DIR` (and `-p target_b=DIR`) evaluate existing checkpoints instead of training them.
 #
 # ```yaml
 # title: Targets A and B (miniature K2 and K2.5) - tokenizer, training, validation losses
@@ -22,6 +24,8 @@
 # profiles:
 #   cpu: {preset: cpu, device: cpu}
 #   h200: {preset: gpu, device: cuda}
+#   cpu.dsv3: {preset: cpu, device: cpu, family: deepseek_v3}
+#   h200.dsv3: {preset: gpu, device: cuda, family: deepseek_v3}
 # timeout: 3600
 # cell_timeout: 3000
 # ```

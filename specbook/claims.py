@@ -103,7 +103,7 @@ def find_metric(root: Path, runbook: str, profile: str, metric: str, cache: dict
 def verdict_here(status_verdict: str, profile: str) -> str:
     """What a hash-based status verdict means on this machine: a number of another hardware profile cannot be
     re-run here, so it is not verifiable here (stale or not); this profile's numbers keep fresh / stale / failed."""
-    if status_verdict == verify.UNRECORDED or profile == provenance.detect_profile():
+    if status_verdict == verify.UNRECORDED or provenance.runs_here(profile, provenance.detect_profile()):
         return status_verdict
     return verify.ELSEWHERE
 

@@ -132,7 +132,8 @@ def _rank(verdict: str) -> int:
 @click.argument("name")
 @click.option("-p", "--param", "params", multiple=True, metavar="KEY=VALUE",
               help="Override a parameter declared in the runbook's parameters cell (repeatable).")
-@click.option("--profile", help="Hardware profile; must be this machine's (default: detected).")
+@click.option("--profile", help="This machine's hardware profile (default: detected) or a variant of it declared in "
+              "the runbook, e.g. cpu.dsv3.")
 @click.option("--force", is_flag=True, help="Re-run dependencies even when their cached outputs are current.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (no progress bar).")
 @click.pass_obj
@@ -142,10 +143,11 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, force
     rb = load(root, name)
     overrides = parse_cli(rb, params)
     here = provenance.detect_profile()
-    if profile not in (None, here):
+    profile = profile or here
+    if not provenance.runs_here(profile, here):
         raise SpecbookError(f"cannot measure profile {profile} on this machine (it is {here}); "
                             f"`runbook verify --profile {profile}` reports its records")
-    t = target(root, name, here, overrides)
+    t = target(root, name, profile, overrides)
     before = {n: records.load(records.path_for(root, n)) for n in _closure(t)}
     outcomes = run_target(root, t, record=True, force=force, progress=not as_json, log=_log)
     for o in outcomes:
@@ -155,11 +157,11 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, force
     _refresh_docs(root, [o.target.rb.name for o in outcomes if o.run_id])
     rows = []
     for o in outcomes:
-        prev = before[o.target.rb.name].data["profiles"].get(here, {}).get("metrics", {})
+        prev = before[o.target.rb.name].data["profiles"].get(profile, {}).get("metrics", {})
         for m in o.execution.metrics:
             old = prev.get(m.name)
             change = _change(old, m.value)
-            rows.append({"runbook": o.target.rb.name, "profile": here, "metric": m.name, "fresh": m.value,
+            rows.append({"runbook": o.target.rb.name, "profile": profile, "metric": m.name, "fresh": m.value,
                          "recorded": old["value"] if old else None, "unit": m.unit, "change": change,
                          "run": o.run_id, "seconds": round(o.execution.seconds, 2)})
     text = _table(["runbook", "metric", "fresh", "recorded before", "unit", "vs recorded"],

@@ -140,6 +140,16 @@ def detect_profile() -> str:
     return profile_of(gpus())
 
 
+def hardware_of(profile: str) -> str:
+    """The hardware a profile runs on. A profile is a machine (`cpu`, `h200`) or a variant of one, `MACHINE.VARIANT`
+    (`cpu.dsv3`: the same runbooks on other parameters, recorded apart)."""
+    return profile.split(".", 1)[0]
+
+
+def runs_here(profile: str, here: str) -> bool:
+    return hardware_of(profile) == here
+
+
 def _git(root: Path, *args: str) -> str | None:
     try:
         r = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)

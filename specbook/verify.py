@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from specbook import RunFailed, SpecbookError, records
+from specbook import RunFailed, SpecbookError, provenance, records
 from specbook.execute import Target, run, target
 from specbook.provenance import canonical, sha
 from specbook.runbooks import discover, load
@@ -98,7 +98,7 @@ def _static(root: Path, name: str, profile: str, prof: dict, here: str | None, c
         v = Verdict(name, profile, mname, FRESH, entry["value"], None, entry["unit"], age=age(r["date"]))
         if r["source"] == "reported":
             v.verdict, v.detail = ELSEWHERE, "reported, never re-run"
-        elif here is not None and profile != here:
+        elif here is not None and not provenance.runs_here(profile, here):
             v.verdict, v.detail = ELSEWHERE, f"profile {profile}, this machine is {here}"
         else:
             t = _current(root, name, profile, cache)
@@ -132,7 +132,7 @@ def verify(root: Path, here: str, names: list[str] | None = None, profile: str |
             if profile is not None and pname != profile:
                 continue
             static = _static(root, name, pname, prof, here, cache)
-            if pname != here or all(v.verdict in (ELSEWHERE, FAILED) for v in static):
+            if not provenance.runs_here(pname, here) or all(v.verdict in (ELSEWHERE, FAILED) for v in static):
                 out += static
                 continue
             out += _rerun(root, name, pname, prof, static, progress, log)

@@ -238,3 +238,30 @@ def test_kernel_runs_this_interpreter():
     assert ensure_kernel() == name  # idempotent
     assert _runs_here(KernelSpecManager().get_kernel_spec(name).argv)
     assert not _runs_here(["/usr/bin/python2.7", "-m", "ipykernel_launcher"])
+
+
+def test_profile_variants_run_here_record_apart_and_carry_through_dependencies(tmp_path):
+    """`cpu.alt` is the cpu machine with other parameters: it runs here, records under its own name, its
+    dependencies run on the same variant, and `h200.alt` is another machine's."""
+    up = runbook_text(profiles="{cpu: {}, cpu.alt: {n: 40}, h200.alt: {}}", params='n = 1\noutputs_dir = ""', body="""
+        from pathlib import Path
+        Path(outputs_dir, "model.txt").write_text(str(n))
+    """)
+    down = runbook_text(profiles="{cpu: {}, cpu.alt: {}, h200.alt: {}}", extra_header="depends: [up]",
+                        params="upstream = {}", body="""
+        from pathlib import Path
+        record("x", float(Path(upstream["up"], "model.txt").read_text()) + 1, unit="u")
+    """)
+    root = make_repo(tmp_path, up=up, down=down)
+    assert cli(root, "run", "down").exit_code == 0
+    r = cli(root, "run", "down", "--profile", "cpu.alt", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)[0]["profile"] == "cpu.alt"
+    metrics = {p: v["metrics"]["x"]["value"] for p, v in baseline(root, "down")["profiles"].items()}
+    assert metrics == {"cpu": 2.0, "cpu.alt": 41.0}
+    assert (root / "docs" / "runbooks" / "executed" / "down-cpu.alt.ipynb").exists()
+    _one_line_error(cli(root, "run", "down", "--profile", "h200.alt"), 2, "h200.alt", "it is cpu")
+    r = cli(root, "verify", "--json")
+    assert r.exit_code == 0, r.stderr
+    verdicts = {(v["profile"], v["verdict"]) for v in json.loads(r.stdout)["verdicts"] if v["runbook"] == "down"}
+    assert verdicts == {("cpu", "fresh"), ("cpu.alt", "fresh")}
