@@ -19,7 +19,7 @@
 # profiles:
 #   cpu: {preset: cpu, device: cpu, sample_counts: [16, 128, 1024], steps: 100}
 #   h200: {preset: gpu, device: cuda, sample_counts: [256, 1024, 4096], steps: 600}
-#   cpu.dsv3: {preset: cpu, device: cpu, sample_counts: [16, 128, 1024], steps: 100}
+#   cpu.dsv3: {preset: cpu, device: cpu, sample_counts: [16, 1024], steps: 60}
 #   h200.dsv3: {preset: gpu, device: cuda, sample_counts: [256, 1024, 4096], steps: 600}
 # timeout: 5400
 # cell_timeout: 5000

@@ -20,7 +20,7 @@
 # profiles:
 #   cpu: {preset: cpu, device: cpu}
 #   h200: {preset: gpu, device: cuda}
-#   cpu.dsv3: {preset: cpu, device: cpu}
+#   cpu.dsv3: {preset: cpu, device: cpu, steps: 100}
 #   h200.dsv3: {preset: gpu, device: cuda}
 # timeout: 3600
 # cell_timeout: 3000

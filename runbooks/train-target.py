@@ -24,7 +24,7 @@
 # profiles:
 #   cpu: {preset: cpu, device: cpu}
 #   h200: {preset: gpu, device: cuda}
-#   cpu.dsv3: {preset: cpu, device: cpu, family: deepseek_v3}
+#   cpu.dsv3: {preset: cpu, device: cpu, family: deepseek_v3, steps_a: 100, steps_b: 40}
 #   h200.dsv3: {preset: gpu, device: cuda, family: deepseek_v3}
 # timeout: 3600
 # cell_timeout: 3000

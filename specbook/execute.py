@@ -184,7 +184,7 @@ def target(root: Path, name: str, profile: str, overrides: dict[str, Any] | None
     upstream = {d: target(root, d, profile, None, (*_chain, name)) for d in rb.depends}
     inputs = {i: input_fingerprint(root, i) for i in rb.inputs}
     engine = engine_hash(root, rb.source)
-    h = inputs_hash(rb.source, params, engine, {d: t.inputs_hash for d, t in upstream.items()}, inputs)
+    h = inputs_hash(rb.hashed_source, params, engine, {d: t.inputs_hash for d, t in upstream.items()}, inputs)
     return Target(rb, profile, params, inputs, engine, upstream, h, root / ".specbook" / "outputs" / name / profile / h)
 
 
@@ -229,7 +229,7 @@ def _record(root: Path, t: Target, ex: Execution) -> str:
     params = _plain(t.params)
     run = {"id": records.new_run_id(date), "date": date, "source": "measured", "inputs_hash": t.inputs_hash,
            "parameters": params,
-           "provenance": _plain(fingerprint(root, t.rb.source, params, t.all_inputs()))}
+           "provenance": _plain(fingerprint(root, t.rb.hashed_source, params, t.all_inputs()))}
     records.add_run(root, t.rb.name, t.profile, run, ex.metrics)
     return run["id"]
 

@@ -56,6 +56,12 @@ class Runbook:
     def source(self) -> str:
         return self.path.read_text(encoding="utf-8")
 
+    @property
+    def hashed_source(self) -> str:
+        """The source without the header's `profiles` block: a profile's parameters reach the inputs hash as
+        parameters, so adding or changing another profile (a variant, another machine) leaves this one fresh."""
+        return "\n".join(_without_profiles(self.source.splitlines()))
+
     def params_for(self, profile: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """Effective parameters on a profile: defaults, then the profile's overrides, then the caller's."""
         if profile not in self.profiles:
@@ -115,6 +121,19 @@ def load(root: Path, name: str) -> Runbook:
         for k, v in overrides.items():
             rb.profiles[profile][k] = check_value(rb, k, v, where=f"profile {profile}")
     return rb
+
+
+def _without_profiles(lines: list[str]) -> list[str]:
+    out, skipping = [], False
+    for line in lines:
+        if line.startswith("# profiles:"):
+            skipping = True  # the key's line, then its indented lines (`#   cpu: ...`)
+            continue
+        if skipping and re.match(r"#\s{2,}\S", line):
+            continue
+        skipping = False
+        out.append(line)
+    return out
 
 
 def _header(path: Path, nb) -> dict[str, Any]:

@@ -83,7 +83,7 @@ def _current(root: Path, name: str, profile: str, cache: dict) -> Target | Excep
 def why_stale(t: Target, run: dict[str, Any]) -> str:
     """Which inputs changed since `run`, from the hashes its provenance kept."""
     p = run.get("provenance", {})
-    now = {"runbook": sha(t.rb.source), "parameters": sha(canonical(t.params)), "engine": t.engine}
+    now = {"runbook": sha(t.rb.hashed_source), "parameters": sha(canonical(t.params)), "engine": t.engine}
     then = {"runbook": p.get("runbook_hash"), "parameters": p.get("params_hash"), "engine": p.get("engine_hash")}
     changed = [k for k in now if now[k] != then[k]]
     changed += [f"input {i}" for i, h in t.inputs.items() if p.get(f"{i}_manifest") != h]

@@ -265,3 +265,14 @@ def test_profile_variants_run_here_record_apart_and_carry_through_dependencies(t
     assert r.exit_code == 0, r.stderr
     verdicts = {(v["profile"], v["verdict"]) for v in json.loads(r.stdout)["verdicts"] if v["runbook"] == "down"}
     assert verdicts == {("cpu", "fresh"), ("cpu.alt", "fresh")}
+
+
+def test_another_profile_in_the_header_leaves_records_fresh(tmp_path):
+    root = make_repo(tmp_path, x=runbook_text(profiles="{cpu: {value: 2.0}}"))
+    assert cli(root, "run", "x").exit_code == 0
+    write_runbook(root, "x", runbook_text(profiles="\n  cpu: {value: 2.0}\n  h200.alt: {value: 3.0}"))
+    assert cli(root, "status", "x").exit_code == 0  # still fresh: only another profile was added
+    write_runbook(root, "x", runbook_text(profiles="{cpu: {value: 5.0}}"))
+    assert cli(root, "status", "x").exit_code == 1  # this profile's parameters changed: stale
+    write_runbook(root, "x", runbook_text(profiles="{cpu: {value: 2.0}}", body='record("x", value + 0, unit="u")'))
+    assert cli(root, "status", "x").exit_code == 1  # the code changed: stale

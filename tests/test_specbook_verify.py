@@ -51,7 +51,7 @@ def test_age():
 def _record_current(root: Path, name: str, profile: str = "cpu", value: float = 1.0) -> None:
     """Record a run whose inputs hash is the current one, without executing anything."""
     t = target(root, name, profile)
-    kept = {"runbook_hash": sha(t.rb.source), "params_hash": sha(canonical(t.params)), "engine_hash": t.engine}
+    kept = {"runbook_hash": sha(t.rb.hashed_source), "params_hash": sha(canonical(t.params)), "engine_hash": t.engine}
     run = {"id": records.new_run_id("2026-11-29T10:00:00Z"), "date": "2026-11-29T10:00:00Z",
            "source": "measured", "inputs_hash": t.inputs_hash, "parameters": t.params, "provenance": kept}
     records.add_run(root, name, profile, run, [Metric("x", value, "u", "higher")])
@@ -75,7 +75,7 @@ def test_stale_when_runbook_parameters_or_engine_change(tmp_path):
 
     write_runbook(root, "b", runbook_text(profiles="{cpu: {}, h200: {value: 3.0}}", body=USES_MODEL))  # h200 only
     assert _verdicts(status(root)) == {("a", "cpu", "x"): FRESH, ("b", "h200", "x"): STALE}
-    assert status(root, ["b"])[0].detail == "runbook, parameters changed since it was recorded"
+    assert status(root, ["b"])[0].detail == "parameters changed since it was recorded"  # the profile's, not code
 
     write_runbook(root, "a", runbook_text(params="value = 1.0  # a comment is a change too", body=USES_MODEL))
     assert (status(root, ["a"])[0].verdict, status(root, ["a"])[0].detail) == (
