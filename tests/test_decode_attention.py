@@ -1,0 +1,41 @@
+"""The split-KV decode-attention kernel (engine/decode_attention.py) against SDPA without a GPU: Triton's
+interpreter (TRITON_INTERPRET=1) runs the same kernels on CPU tensors. The GPU itself is covered by
+tests/test_gpu_engine.py::test_split_kv_attention_matches_sdpa."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+# In a subprocess: the interpreter is chosen when the kernels are decorated, i.e. at import.
+SCRIPT = """
+import torch
+from engine.decode_attention import split_kv_attention
+from engine.model import grouped_attention
+
+g = torch.Generator().manual_seed(0)
+worst = 0.0
+# (batch, query heads, KV heads, tokens, cache length, head dim, valid cache length): several splits, padded rows
+# (fewer than 16 per KV head), a cache longer than what is valid, GQA and plain multi-head
+for B, H, kv, T, S, D, valid in [(1, 8, 2, 1, 200, 64, 150), (1, 4, 4, 8, 130, 64, 100), (2, 8, 2, 4, 64, 128, 64),
+                                 (1, 16, 2, 4, 300, 64, 290)]:
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v = torch.randn(B, kv, S, D, generator=g), torch.randn(B, kv, S, D, generator=g)
+    causal = torch.arange(S)[None, :] <= torch.arange(valid - T, valid)[:, None]
+    tree = causal & (torch.rand(T, S, generator=g) < 0.6)
+    tree[:, 0] = True
+    for mask in (causal, tree):
+        want = grouped_attention(q, k, v, mask)  # CPU: SDPA
+        got = split_kv_attention(q.reshape(B, kv, H // kv * T, D), k, v, mask, T).reshape(B, H, T, D)
+        worst = max(worst, (got - want).abs().max().item())
+print(worst)
+"""
+
+
+def test_split_kv_kernel_matches_sdpa_in_the_interpreter():
+    r = subprocess.run([sys.executable, "-c", SCRIPT], env={**os.environ, "TRITON_INTERPRET": "1"},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert float(r.stdout.split()[-1]) < 1e-5
