@@ -117,8 +117,9 @@ def build_context(root: Path | str, budget: int = 2000) -> str:
     sections = [
         Section("Numbers (runbook @ profile [verdict]: headline metrics)", number_lines(root), "`runbook show NAME`",
                 0.55),
-        Section("Docs problems", problem_lines(root), "`runbook verify --docs`", 0.15),
+        # decisions before problems: a checkout whose records are stale has many problem lines
         Section("Open decisions", decision_lines(root), "docs/decisions.md", 0.2),
+        Section("Docs problems", problem_lines(root), "`runbook verify --docs`", 0.15),
         Section("Next steps", next_step_lines(root), "docs/game-plan.md", 0.1),
     ]
     out = head

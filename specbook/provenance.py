@@ -72,7 +72,8 @@ def engine_hash(root: Path, source: str | None = None) -> str:
     return h.hexdigest()[:16]
 
 
-def _imported(source: str) -> set[str]:
+@functools.lru_cache(maxsize=1024)  # keyed by content: status resolves every runbook on every profile, and each
+def _imported(source: str) -> frozenset[str]:  # walks the same engine modules
     """Dotted module names an import statement anywhere in the source may load (`from a import b` may be a.b)."""
     names = set()
     for node in ast.walk(ast.parse(source)):
@@ -81,7 +82,7 @@ def _imported(source: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names.add(node.module)
             names.update(f"{node.module}.{a.name}" for a in node.names)
-    return {n for n in names if n == "engine" or n.startswith("engine.")}
+    return frozenset(n for n in names if n == "engine" or n.startswith("engine."))
 
 
 def engine_files(root: Path, source: str) -> set[Path] | None:
