@@ -14,14 +14,18 @@ One cycle:
            sampling with residual resampling (accept child c with probability p'(c), else zero c in p' and
            renormalise; after the last child sample p') is the same as drawing t ~ p and taking the child equal to
            t, as EAGLE's evaluate_posterior and SGLang's target-only tree sampling do.
+           It also writes the accepted path's features and tokens into the draft-extend's static inputs.
   sync     the accepted count and tokens come to the host: the cycle's only synchronisation.
   compact  the path's K/V move to slots L-1 .. L-2+count (trees only: a chain's path is already in place).
-  extend   the drafter writes entries for the accepted positions from the target's features; its last logits
-           are the next cycle's depth-1 candidates.
+  extend   (first in the next cycle's draft phase) the drafter writes entries for the accepted positions from the
+           target's features; its logits at the last accepted entry are the depth-1 candidates. It runs over
+           steps + 1 rows whatever the count: rows past the count write entries at slots >= the new start, which
+           every later read masks out and the next extend overwrites. One shape, so one graph and one compile.
 
-Each phase runs in its own captured CUDA graph: drafter step (one per step index), drafter extend (one per accepted
-count), tree build and verify (one per draft-token count). `eager_verify=True` runs the verify forward eagerly - the
-game plan's "extend mode without CUDA graphs" - to measure what that costs.
+Two captured CUDA graphs per cycle, each owning its static buffers: the draft phase (extend, the k-1 draft steps and
+the tree build; one graph per draft-token count, and one without the extend for the first cycle, whose extend was the
+prefill's) and verify (one per draft-token count and sampling setting). `eager_verify=True` runs the verify forward
+eagerly - the game plan's "extend mode without CUDA graphs" - to measure what that costs.
 """
 from __future__ import annotations
 
@@ -89,6 +93,20 @@ class TreeInputs:
 
 
 @dataclass
+class ExtendInputs:
+    """The accepted path as the draft-extend reads it: written by the verify graph, read by the next draft graph.
+    Padded to steps + 1 rows (the longest path), so one graph serves every accepted count."""
+    feats: torch.Tensor  # [1, E, 3 * target hidden] target features at the path's nodes
+    tokens: torch.Tensor  # [1, E] the target's tokens after them (accepted drafts + bonus)
+    count: torch.Tensor  # [1] valid rows
+
+    @classmethod
+    def empty(cls, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> "ExtendInputs":
+        return cls(torch.zeros(1, rows, width, dtype=dtype, device=device),
+                   torch.zeros(1, rows, dtype=torch.long, device=device), torch.ones(1, dtype=torch.long, device=device))
+
+
+@dataclass
 class Cycle:
     tokens: list[int]
     draft_s: float = 0.0
@@ -117,31 +135,32 @@ class SpecDecoder:
         self.state = DraftState.empty(self.shape, drafter.cfg.hidden_size, drafter.dtype, self.device)
         self.inputs = {n: TreeInputs.empty(n, max_seq_len, target.cfg.vocab_size, self.device)
                        for n in (1, self.shape.draft_tokens)}
+        self.extend = ExtendInputs.empty(self.shape.steps + 1, 3 * drafter.cfg.feature_size, drafter.dtype,
+                                         self.device)
         self._caches = None  # the cache objects the graphs were captured over
-        self._draft: dict[int, CapturedCall] = {}
-        self._extend: GraphSet | None = None
-        self._build: dict[int, CapturedCall] = {}
+        self._draft: dict[tuple[int, bool], CapturedCall] = {}  # (draft-token count, with the extend)
         self._verify: dict[tuple[int, SamplingParams], CapturedCall] = {}
         self._compact: GraphSet | None = None
 
     # ---- the functions the graphs capture ---------------------------------------------------------------
-    def _extend_fn(self, feats: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Drafter entries for positions start .. start+T-1 from target features and the tokens after them;
-        the last entry's top-K become the depth-1 candidates. Advances start by T."""
+    def _extend_fn(self, feats: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> None:
+        """Drafter entries for positions start .. start+T-1 from target features and the tokens after them; the
+        top-K at entry count-1 become the depth-1 candidates. Advances start by count (rows past it are padding)."""
         st, K = self.state, self.shape.topk
         T = tokens.shape[1]
         pos = st.start + torch.arange(T, device=self.device)
         logits, out = self.drafter(feats, tokens, pos)
-        scores, ids = F.log_softmax(logits[0, -1], -1).topk(K)
+        last = count - 1
+        scores, ids = F.log_softmax(logits[0].index_select(0, last)[0], -1).topk(K)
         st.pool_scores[:K] = scores
         st.pool_tokens[:K] = self.drafter.draft_to_target(ids)
         st.beam_scores.copy_(scores)
         st.beam_tokens.copy_(st.pool_tokens[:K])
         st.beam_pool.copy_(torch.arange(K, device=self.device))
-        st.beam_hidden.copy_(out[:, -1:].expand(1, K, -1))
+        st.beam_hidden.copy_(out.index_select(1, last).expand(1, K, -1))
         st.beam_anc.zero_()
-        st.root.copy_(tokens[0, -1:])
-        st.start.add_(T)
+        st.root.copy_(tokens[0].index_select(0, last))
+        st.start.add_(count)
 
     def _draft_inputs(self, i: int) -> dict[str, torch.Tensor]:
         """Static inputs of draft step i (1..k-1): all that differs between steps is data, so one compiled function
@@ -193,8 +212,24 @@ class SpecDecoder:
 
         return build
 
+    def _draft_fn(self, n: int, extend: bool, compiled: dict):
+        """The draft phase for a verify of n tokens: the draft-extend over the last accepted path (not in the first
+        cycle: the prefill extended), the k-1 draft steps (none when n is 1), the tree build."""
+        steps = [self._draft_inputs(i) for i in range(1, self.shape.steps)] if n > 1 else []
+        build = self._compiled(self._build_fn(n))
+
+        def draft(feats: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor, start: torch.Tensor) -> None:
+            if extend:
+                compiled["extend"](feats, tokens, count)
+            for inputs in steps:
+                compiled["step"](**inputs)
+            build(start)
+
+        return draft
+
     def _verify_fn(self, n: int, sampling: SamplingParams):
-        aux_layers, max_depth = self.drafter.aux_layers, self.shape.steps
+        aux_layers, max_depth, ext = self.drafter.aux_layers, self.shape.steps, self.extend
+        m = min(n, max_depth + 1)  # path rows the extend can need
 
         def verify(tokens, pos, slots, mask, parents, depth, anc, noise):
             logits, aux = self.target(tokens, pos, slots, mask, hidden_layers=aux_layers)
@@ -203,7 +238,10 @@ class SpecDecoder:
             else:
                 choice = (logits_to_probs(logits[0], sampling) / noise).argmax(-1)  # exponential race
             count, path, emitted = accept(tokens[0], choice, parents, depth, anc, max_depth)
-            return count, path, emitted, aux
+            ext.feats[:, :m].copy_(aux.index_select(1, path[:m]))
+            ext.tokens[0, :m].copy_(emitted[:m])
+            ext.count.copy_(count)
+            return count, path, emitted
 
         return verify
 
@@ -211,7 +249,8 @@ class SpecDecoder:
         """With `compile`, fn through torch.compile (inductor), captured inside our own graph like the eager fn.
         A draft step is ~100 small kernels (norms, RoPE, log-softmax, top-k, state updates) around ~750 MB of matrix
         reads at the 8b shape, and verify several hundred around the target's weights: inductor fuses the small
-        ones. One compile for all draft steps, one per verify size; extend and prefill stay eager."""
+        ones. One compile for the extend, one for all draft steps, one per tree-build and verify size; the prefill
+        stays eager."""
         return torch.compile(fn, fullgraph=True, dynamic=False) if self.compile else fn
 
     # ---- setup --------------------------------------------------------------------------------------------
@@ -225,25 +264,21 @@ class SpecDecoder:
         caches = (self.target.layers[0].self_attn.cache, self.drafter.midlayer.self_attn.cache)
         if caches != self._caches:
             self._caches = caches
-            self._draft.clear(), self._build.clear(), self._verify.clear()
-            self._extend = None
+            self._draft.clear(), self._verify.clear()
         if self.target.max_seq_len != self.max_seq_len:
             raise EngineError(f"the target's cache holds {self.target.max_seq_len} tokens, this decoder "
                               f"{self.max_seq_len}: use one max_seq_len for both")
         on, st, dev = self.cuda_graphs, self.state, self.device
-        if self._extend is None:
-            H3 = 3 * self.drafter.cfg.feature_size
-
-            def feats(T: int) -> dict[str, torch.Tensor]:
-                st.start.zero_()  # the two warm-up runs advance start: keep their writes inside the cache
-                return {"feats": torch.zeros(1, T, H3, dtype=self.drafter.dtype, device=dev),
-                        "tokens": torch.zeros(1, T, dtype=torch.long, device=dev)}
-
-            self._extend = GraphSet(self._extend_fn, feats, range(1, self.shape.steps + 2), enabled=on)
-            st.start.zero_()  # the tree-build and verify warm-ups then write slots 0..N-1
-            step = self._compiled(self._draft_step)
-            self._draft = {i: CapturedCall(step, self._draft_inputs(i), enabled=on) for i in range(1, self.shape.steps)}
-            self._build = {n: CapturedCall(self._build_fn(n), {"start": st.start}, enabled=on) for n in self.inputs}
+        if not self._draft:
+            compiled = {"extend": self._compiled(self._extend_fn), "step": self._compiled(self._draft_step)}
+            pool = torch.cuda.graph_pool_handle() if on and dev.type == "cuda" else None  # never replayed at once
+            for n in sorted(self.inputs, reverse=True):
+                for extend in (True, False):
+                    st.start.zero_()  # warm-up runs advance start: keep their writes inside the cache
+                    self._draft[n, extend] = CapturedCall(self._draft_fn(n, extend, compiled),
+                                                          {**vars(self.extend), "start": st.start}, enabled=on,
+                                                          pool=pool)
+            st.start.zero_()  # the verify warm-ups then write slots 0..N-1
 
             def slots(c: int) -> dict[str, torch.Tensor]:
                 return {"src_slots": torch.zeros(c, dtype=torch.long, device=dev),
@@ -271,7 +306,7 @@ class SpecDecoder:
                 first = sample_from_probs(logits_to_probs(logits[0, -1:], sampling), gen) if not sampling.greedy \
                     else logits[0, -1:].argmax(-1)
                 nxt = torch.cat([nxt, first[None]], dim=1)
-            self._extend_fn(feats, nxt)
+            self._extend_fn(feats, nxt, torch.full((1,), e - s, device=self.device))
 
     # ---- the loop -----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -290,21 +325,15 @@ class SpecDecoder:
             return
         L, done, st = L + 1, 1, self.state
         clock = Clock(self.device, timed)
-        accepted = None  # (count, path, emitted, aux) of the last verify, for the draft-extend
+        extend = False  # the prefill extended over the prompt; later cycles extend over the last accepted path
         while True:
-            if accepted is not None:
-                c, path, emitted, aux = accepted
-                self._extend(c, feats=aux[:, path[:c]], tokens=emitted[:c][None])
             n = self.shape.draft_tokens if L - 1 + self.shape.draft_tokens <= self.max_seq_len else 1
             ti = self.inputs[n]
-            if n > 1:
-                for i in range(1, self.shape.steps):
-                    self._draft[i](start=st.start)
-            self._build[n](start=st.start)
+            self._draft[n, extend]()
             draft_s = clock.lap()
             if not sampling.greedy:
                 ti.noise.exponential_(generator=gen)
-            count, path, emitted, aux = self._verify[n, sampling]()
+            count, path, emitted = self._verify[n, sampling]()
             verify_s = clock.lap()
             host = torch.cat([count, emitted]).tolist()  # the cycle's one host synchronisation
             c = host[0]
@@ -317,7 +346,7 @@ class SpecDecoder:
                 root_slot = L - 1 - c
                 self._compact(c, src_slots=path[:c] + root_slot,
                               dst_slots=self.target.slot_ids[root_slot:root_slot + c])
-            accepted = (c, path, emitted, aux)
+            extend = True
             yield Cycle(tokens, draft_s, verify_s, clock.lap())
 
     def generate(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
