@@ -216,7 +216,7 @@ class SpecDecoder:
         """The draft phase for a verify of n tokens: the draft-extend over the last accepted path (not in the first
         cycle: the prefill extended), the k-1 draft steps (none when n is 1), the tree build."""
         steps = [self._draft_inputs(i) for i in range(1, self.shape.steps)] if n > 1 else []
-        build = self._compiled(self._build_fn(n))
+        build = self._compiled(self._build_fn(n), n)
 
         def draft(feats: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor, start: torch.Tensor) -> None:
             if extend:
@@ -245,13 +245,14 @@ class SpecDecoder:
 
         return verify
 
-    def _compiled(self, fn):
-        """With `compile`, fn through torch.compile (inductor), captured inside our own graph like the eager fn.
-        A draft step is ~100 small kernels (norms, RoPE, log-softmax, top-k, state updates) around ~750 MB of matrix
+    def _compiled(self, fn, n: int | None = None):
+        """With `compile`, fn (serving verifies of n tokens; None: of every size) through torch.compile (inductor),
+        captured inside our own graph like the eager fn. A draft step is ~100 small kernels (norms, RoPE, log-softmax, top-k, state updates) around ~750 MB of matrix
         reads at the 8b shape, and verify several hundred around the target's weights: inductor fuses the small
-        ones. One compile for the extend, one for all draft steps, one per tree-build and verify size; the prefill
-        stays eager."""
-        return torch.compile(fn, fullgraph=True, dynamic=False) if self.compile else fn
+        ones. One compile for the extend, one for all draft steps, one each for the tree build and verify of the
+        full tree. A verify of one token (the fallback at the cache's end) is rare: captured, not compiled, which
+        saves two compiles; the prefill stays eager."""
+        return torch.compile(fn, fullgraph=True, dynamic=False) if self.compile and n != 1 else fn
 
     # ---- setup --------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -290,7 +291,7 @@ class SpecDecoder:
             if (n, sampling) not in self._verify:
                 eager = self.eager_verify  # the game plan's slow path: neither captured nor compiled
                 verify = self._verify_fn(n, sampling)
-                self._verify[n, sampling] = CapturedCall(verify if eager else self._compiled(verify),
+                self._verify[n, sampling] = CapturedCall(verify if eager else self._compiled(verify, n),
                                                          vars(self.inputs[n]), enabled=on and not eager)
 
     @torch.no_grad()
