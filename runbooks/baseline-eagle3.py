@@ -25,10 +25,10 @@
 # depends: [train-target, train-drafter]
 # profiles:
 #   cpu: {device: cpu, dtype: float32, n_prompts: 4, prompt_len: 64, new_tokens: 64, repeats: 3, rel_tol: 0.75}
-#   h200: {device: cuda, dtype: bfloat16, n_prompts: 8, prompt_len: 128, new_tokens: 256, repeats: 5,
+#   h200: {device: cuda, dtype: bfloat16, n_prompts: 8, prompt_len: 128, new_tokens: 256, repeats: 3,
 #          cycle_shape: llama-3.1-8b, torch_compile: true, rel_tol: 0.15}
 #   cpu.dsv3: {device: cpu, dtype: float32, n_prompts: 4, prompt_len: 64, new_tokens: 64, repeats: 3, rel_tol: 0.75}
-#   h200.dsv3: {device: cuda, dtype: bfloat16, n_prompts: 8, prompt_len: 128, new_tokens: 256, repeats: 5,
+#   h200.dsv3: {device: cuda, dtype: bfloat16, n_prompts: 8, prompt_len: 128, new_tokens: 256, repeats: 3,
 #               torch_compile: true, rel_tol: 0.15}
 # timeout: 3600
 # cell_timeout: 2400
@@ -200,37 +200,35 @@ if cycle_shape:
     g = torch.Generator().manual_seed(seed)
     big_prompts = [torch.randint(0, big.cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(2)]
     big_stats = measure(big, big_d, big_prompts)
-    step_ms = big_stats["baseline"].ms_per_cycle
-    for name, st in big_stats.items():
-        print(f"{cycle_shape} {name:20} {st.ms_per_cycle:7.2f} ms per cycle ({st.ms_per_cycle / step_ms:.2f} x a "
-              f"decode step); draft {st.draft_ms:.2f}, verify {st.verify_ms:.2f}, other {st.other_ms:.2f}")
-    c, ce = big_stats["eagle3"], big_stats["eagle3_eager_verify"]
-    projected = cycle_accept_length / (c.ms_per_cycle / 1e3)
     sfx = f".{cycle_shape}"
-    record(f"decode_step_ms{sfx}", step_ms, unit="ms", direction="lower", rel_tol=rel_tol,
-           description=f"{cycle_shape}: one baseline decode step (CUDA graph)")
-    record(f"cycle_ms{sfx}", c.ms_per_cycle, unit="ms", direction="lower", rel_tol=rel_tol,
-           description=f"{cycle_shape}: one chain cycle, {steps} draft steps + verify of {steps + 1} + bookkeeping")
-    record(f"cycle_over_step{sfx}", c.ms_per_cycle / step_ms, unit="x", direction="lower", rel_tol=rel_tol / 2,
-           description=f"{cycle_shape}: chain cycle over decode step (issue 4 asks <= 1.5; SGLang H200 ~1.6)")
-    record(f"eager_over_graph_cycle{sfx}", ce.ms_per_cycle / c.ms_per_cycle, unit="x", direction="none",
-           rel_tol=rel_tol / 2, description=f"{cycle_shape}: cycle with eager verify over cycle with graph verify")
-    for part in ("draft_ms", "verify_ms", "other_ms"):
-        record(f"cycle_{part}{sfx}", getattr(c, part), unit="ms", direction="lower", rel_tol=rel_tol,
-               description=f"{cycle_shape}: {part.removesuffix('_ms')} phase of a chain cycle")
-    record(f"projected_tok_s{sfx}", projected, unit="tok/s", rel_tol=rel_tol,
-           description=f"{cycle_shape}: {cycle_accept_length} tokens per cycle at the measured cycle time")
-    record(f"projected_speedup{sfx}", projected / big_stats["baseline"].tok_s, unit="x", rel_tol=rel_tol / 2,
-           description=f"{cycle_shape}: projected tok/s over the engine's own baseline (issue 4 asks >= 2.6)")
-    if torch_compile:  # the same cycle with inductor in every graph, against the compiled decode step
-        cstep, cc = big_stats["compiled_baseline"].ms_per_cycle, big_stats["compiled_eagle3"].ms_per_cycle
-        print(f"{cycle_shape} compiled: {cc:.2f} ms per cycle against a {cstep:.2f} ms decode step ({cc / cstep:.2f}x)")
-        record(f"compiled_decode_step_ms{sfx}", cstep, unit="ms", direction="lower", rel_tol=rel_tol,
-               description=f"{cycle_shape}: one decode step, torch.compile inside the graph")
-        record(f"compiled_cycle_ms{sfx}", cc, unit="ms", direction="lower", rel_tol=rel_tol,
-               description=f"{cycle_shape}: one chain cycle, draft steps and verify compiled")
-        record(f"compiled_cycle_over_step{sfx}", cc / cstep, unit="x", direction="lower", rel_tol=rel_tol / 2,
-               description=f"{cycle_shape}: compiled chain cycle over compiled decode step")
-        record(f"compiled_projected_speedup{sfx}", cycle_accept_length / cc * cstep, unit="x", rel_tol=rel_tol / 2,
-               description=f"{cycle_shape}: projected compiled EAGLE-3 over the compiled baseline at "
-                           f"{cycle_accept_length} tokens per cycle")
+    ce = big_stats["eagle3_eager_verify"]
+    record(f"eager_over_graph_cycle{sfx}", ce.ms_per_cycle / big_stats["eagle3"].ms_per_cycle, unit="x",
+           direction="none", rel_tol=rel_tol / 2,
+           description=f"{cycle_shape}: cycle with eager verify over cycle with graph verify")
+
+    def record_cycle(prefix: str, how: str) -> None:
+        """Cycle against decode step, like against like: both plain CUDA graphs, or both compiled inside them."""
+        base, spec = big_stats[f"{prefix}baseline"], big_stats[f"{prefix}eagle3"]
+        step, cyc = base.ms_per_cycle, spec.ms_per_cycle
+        print(f"{cycle_shape} {how}: {cyc:.2f} ms per cycle against a {step:.2f} ms decode step ({cyc / step:.2f}x); "
+              f"draft {spec.draft_ms:.2f}, verify {spec.verify_ms:.2f}, other {spec.other_ms:.2f} ms")
+        record(f"{prefix}decode_step_ms{sfx}", step, unit="ms", direction="lower", rel_tol=rel_tol,
+               description=f"{cycle_shape}: one baseline decode step ({how})")
+        record(f"{prefix}cycle_ms{sfx}", cyc, unit="ms", direction="lower", rel_tol=rel_tol,
+               description=f"{cycle_shape}: one chain cycle, {steps} draft steps + verify of {steps + 1} + "
+                           f"bookkeeping ({how})")
+        record(f"{prefix}cycle_over_step{sfx}", cyc / step, unit="x", direction="lower", rel_tol=rel_tol / 2,
+               description=f"{cycle_shape}: chain cycle over decode step, {how} (issue 4 asks <= 1.5; SGLang on "
+                           f"an H200 ~1.6)")
+        for part in ("draft_ms", "verify_ms", "other_ms"):
+            record(f"{prefix}cycle_{part}{sfx}", getattr(spec, part), unit="ms", direction="lower", rel_tol=rel_tol,
+                   description=f"{cycle_shape}: {part.removesuffix('_ms')} phase of a chain cycle ({how})")
+        record(f"{prefix}projected_tok_s{sfx}", cycle_accept_length / (cyc / 1e3), unit="tok/s", rel_tol=rel_tol,
+               description=f"{cycle_shape}: {cycle_accept_length} tokens per cycle at the measured cycle time ({how})")
+        record(f"{prefix}projected_speedup{sfx}", cycle_accept_length * step / cyc, unit="x", rel_tol=rel_tol / 2,
+               description=f"{cycle_shape}: projected tok/s over the engine's own baseline, {how} (issue 4 asks "
+                           f">= 2.6)")
+
+    record_cycle("", "CUDA graphs")
+    if torch_compile:
+        record_cycle("compiled_", "torch.compile inside the graphs")
