@@ -20,7 +20,7 @@
 #   cpu: {shape: tiny, device: cpu, dtype: float32, max_steps: 8, trees: [[3, 2, 6], [4, 4, 12]], prompt_len: 16,
 #         new_tokens: 32, repeats: 3, rel_tol: 1.0}
 #   h200: {shape: llama-3.1-8b, device: cuda, dtype: bfloat16, max_steps: 8,
-#          trees: [[4, 4, 16], [6, 4, 32], [7, 8, 64]], prompt_len: 128, new_tokens: 128, repeats: 3, rel_tol: 0.15}
+#          trees: [[4, 4, 16], [6, 4, 32], [7, 8, 64]], prompt_len: 128, new_tokens: 64, repeats: 2, rel_tol: 0.15}
 # timeout: 3600
 # cell_timeout: 3000
 # ```
