@@ -18,7 +18,7 @@
 # inputs: [corpus]
 # profiles:
 #   cpu: {preset: cpu, device: cpu, sample_counts: [16, 128, 1024], steps: 100}
-#   h200: {preset: gpu, device: cuda, sample_counts: [256, 1024, 4096], steps: 600}
+#   h200: {preset: gpu, device: cuda, sample_counts: [256, 1024, 4096], steps: 400}
 #   cpu.dsv3: {preset: cpu, device: cpu, sample_counts: [16, 1024], steps: 60}
 #   h200.dsv3: {preset: gpu, device: cuda, sample_counts: [256, 1024, 4096], steps: 600}
 # timeout: 5400
