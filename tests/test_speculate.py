@@ -321,3 +321,30 @@ def test_one_compile_serves_every_draft_step():
     # the extend, the draft step, the tree build and the verify of 8 tokens: one each, not one per step
     assert counters["stats"]["unique_graphs"] == 4
     assert r.token_ids == Generator(t, 96).generate(prompts(1)[0], 16).token_ids
+
+
+@pytest.mark.parametrize("topk", [1, 3])
+@pytest.mark.parametrize("count", [1, 3, 5])
+def test_padded_extend_equals_the_exact_one(topk, count):
+    """The draft graph runs the extend over steps + 1 rows whatever the accepted count: the rows past the count must
+    leave the candidates, the beams, the root, start and the drafter's valid cache entries as an exact extend does."""
+    t = bigram_target(100.0)
+    d = drafter_for(t, oracle=True, miss=3)
+    steps, H3 = 4, 3 * d.cfg.feature_size
+    g = torch.Generator().manual_seed(count)
+    feats, tokens = torch.randn(1, steps + 1, H3, generator=g), torch.randint(0, V, (1, steps + 1), generator=g)
+    states = []
+    for rows in (count, steps + 1):  # exact, then padded with rows the extend must ignore
+        spec = SpecDecoder(t, d, 96, steps, topk)
+        spec._prepare(SamplingParams())
+        cache = d.midlayer.self_attn.cache
+        cache.k.zero_(), cache.v.zero_()  # the decoders share the drafter's cache: nothing carries over
+        spec.state.start.fill_(10)
+        spec._extend_fn(feats[:, :rows], tokens[:, :rows], torch.tensor([count]))
+        states.append({**{k: v.clone() for k, v in vars(spec.state).items()},
+                       "k": cache.k[:, :, :10 + count].clone(), "v": cache.v[:, :, :10 + count].clone()})
+    exact, padded = states
+    assert int(padded["start"]) == 10 + count and int(padded["root"]) == int(tokens[0, count - 1])
+    for key, want in exact.items():
+        assert torch.equal(padded[key], want) if key not in ("k", "v", "beam_hidden", "beam_scores", "pool_scores") \
+            else torch.allclose(padded[key], want, atol=1e-5), key
