@@ -30,11 +30,15 @@ class Row:
     direction: str
     tolerance: dict
     verdict: str  # on this machine
-    inputs_changed: bool  # its inputs hash differs from the current code's (stale, whichever profile)
+    stale_why: str  # which inputs changed since it was recorded ("" when its inputs hash is current), any profile
     source: str
     hardware: str
     date: str
     history: list = field(default_factory=list)
+
+    @property
+    def inputs_changed(self) -> bool:
+        return bool(self.stale_why)
 
     @property
     def key(self) -> str:
@@ -59,25 +63,27 @@ def _date(value) -> str:
 def record_rows(root: Path | str) -> list[Row]:
     """One row per recorded metric of every baselines/*.yaml, with its verdict (from input hashes; nothing runs)."""
     root = Path(root)
-    status = {(v.runbook, v.profile, v.metric): v.verdict for v in verify.status(root)}
+    status = {(v.runbook, v.profile, v.metric): v for v in verify.status(root)}
     rows = []
     for runbook, rf in records.load_all(root).items():
         for profile, prof in rf.data["profiles"].items():
             for name, m in prof["metrics"].items():
                 run = records.run_of(prof, m["run"])
-                hashed = status.get((runbook, profile, name), verify.UNRECORDED)
+                v = status.get((runbook, profile, name))
+                hashed = v.verdict if v else verify.UNRECORDED
                 rows.append(Row(runbook, profile, name, m["value"], m["unit"], m["direction"], m.get("tolerance") or {},
-                                claims.verdict_here(hashed, profile), hashed == verify.STALE, run["source"],
-                                _hardware(profile, run), _date(run["date"]), m.get("history") or []))
+                                claims.verdict_here(hashed, profile), v.detail if hashed == verify.STALE else "",
+                                run["source"], _hardware(profile, run), _date(run["date"]), m.get("history") or []))
     return rows
 
 
 # ---------------------------------------------------------------------------------------------- dashboard
 
 
-def badge(verdict: str) -> str:
+def badge(verdict: str, why: str = "") -> str:
     slug = re.sub(r"\W+", "-", verdict).strip("-")
-    return f'<span class="verdict verdict-{slug}">{html.escape(verdict)}</span>'
+    title = f' title="{html.escape(why)}"' if why else ""
+    return f'<span class="verdict verdict-{slug}"{title}>{html.escape(verdict)}</span>'
 
 
 def history_svg(rows: list[Row]) -> str:
@@ -110,8 +116,9 @@ def history_svg(rows: list[Row]) -> str:
 
 def _badges(row: Row) -> str:
     """The verdict here, and for another profile's number whose code changed since, that it is stale there too."""
-    stale_elsewhere = row.inputs_changed and row.verdict != verify.STALE
-    return badge(row.verdict) + (" " + badge(verify.STALE) if stale_elsewhere else "")
+    if row.verdict == verify.STALE:
+        return badge(row.verdict, row.stale_why)
+    return badge(row.verdict) + (" " + badge(verify.STALE, row.stale_why) if row.inputs_changed else "")
 
 
 ARROWS = {"higher": "\u2191", "lower": "\u2193", "none": "="}  # which way is better; "=" any change is drift
@@ -150,8 +157,7 @@ def dashboard(root: Path | str) -> tuple[str, dict[str, str]]:
         for v in sorted(verdicts):
             why = {verify.ELSEWHERE: "reported from hardware this project cannot reach, or recorded on another "
                                      "hardware profile",
-                   verify.STALE: f"the code or parameters changed since they were recorded; re-run `runbook run "
-                                 f"{runbook}` on {profile}"}.get(v, f"re-run `runbook verify {runbook}`")
+                   verify.STALE: _stale_note(runbook, profile, group)}.get(v, f"re-run `runbook verify {runbook}`")
             out += [f'!!! {VERDICT_ADMONITION[v]} "{v.capitalize()}"', f"    Numbers marked *{v}*: {why}.", ""]
         notebook = EXECUTED / f"{runbook}-{profile}.ipynb"  # where `runbook run` keeps the executed notebook
         if (root / notebook).is_file():
@@ -159,6 +165,16 @@ def dashboard(root: Path | str) -> tuple[str, dict[str, str]]:
         out += [_table(group), "", f"![history of {runbook} / {profile}](dashboard/{runbook}-{profile}.svg)", ""]
     plots = {f"dashboard/{rb}-{pf}.svg": history_svg(g) for (rb, pf), g in groups.items()}
     return "\n".join(out) + "\n", plots
+
+
+def _stale_note(runbook: str, profile: str, group: list[Row]) -> str:
+    """Why a group's numbers are stale, in words: the changed inputs, and for the corpus why that is expected."""
+    reasons = sorted({r.stale_why.removesuffix(" changed since it was recorded") for r in group if r.stale_why})
+    note = f"{'; '.join(reasons)} changed since they were recorded"
+    if any("corpus" in r for r in reasons):
+        note += (" (the corpus is read from the machine that runs the runbook, its Python and packages: a record "
+                 "made on another machine is stale here by design)")
+    return note + f"; re-run `runbook run {runbook} --profile {profile}` on that hardware"
 
 
 # ---------------------------------------------------------------------------------------------- llms.txt

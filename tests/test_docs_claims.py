@@ -44,7 +44,11 @@ def write_record(root: Path, value: float = 82.5, samples=(82.0, 83.0), source: 
     if source == "measured":
         (root / "runbooks").mkdir(exist_ok=True)
         (root / "runbooks" / "bench.py").write_text(RUNBOOK.replace("HERE", HERE).replace("OTHER", OTHER))
-        run |= {"parameters": {"n": 1}, "inputs_hash": target(root, "bench", profile).inputs_hash}
+        t = target(root, "bench", profile)
+        run |= {"parameters": {"n": 1}, "inputs_hash": t.inputs_hash,
+                "provenance": {"runbook_hash": provenance.sha(t.rb.hashed_source),
+                               "params_hash": provenance.sha(provenance.canonical(t.params)), "engine_hash": t.engine,
+                               **{f"{i}_manifest": h for i, h in t.all_inputs().items()}}}
     data = {"runbook": "bench", "profiles": {profile: {
         "runs": [run],
         "metrics": {"tok_s": {"value": value, "unit": "tok/s", "direction": "higher",
@@ -198,7 +202,22 @@ def test_stale_record_of_another_profile_is_not_verifiable_here(root):
     assert claims.record_verdict(root, "bench", OTHER, "tok_s", {}) == "not verifiable here"
     assert messages(root) == []
     text, _ = site.dashboard(root)
-    assert "verdict-not-verifiable-here" in text and "verdict-stale" in text and f"on {OTHER}" in text
+    assert "verdict-not-verifiable-here" in text and "verdict-stale" in text and f"--profile {OTHER}" in text
+    assert 'title="runbook, parameters changed since it was recorded"' in text
+    assert "runbook, parameters changed since they were recorded" in text and "corpus" not in text
+
+
+def test_a_record_made_on_another_machines_corpus_says_so(root, monkeypatch):
+    """The corpus is read from the machine: the dashboard names it as the changed input and says why."""
+    corpus = {"hash": "corpus-of-the-gpu-machine"}
+    monkeypatch.setitem(provenance.INPUTS, "corpus", lambda r: corpus["hash"])
+    monkeypatch.setitem(globals(), "RUNBOOK", RUNBOOK.replace("# depends: []", "# depends: []\n# inputs: [corpus]"))
+    write_record(root, source="measured", profile=OTHER)
+    assert "input corpus changed" not in site.dashboard(root)[0]
+    corpus["hash"] = "corpus-of-this-machine"
+    text, _ = site.dashboard(root)
+    assert 'title="input corpus changed since it was recorded"' in text
+    assert "a record made on another machine is stale here by design" in text
 
 
 def test_measured_claim_whose_runbook_is_gone(root):
