@@ -15,7 +15,9 @@ One cycle:
            renormalise; after the last child sample p') is the same as drawing t ~ p and taking the child equal to
            t, as EAGLE's evaluate_posterior and SGLang's target-only tree sampling do.
            It also writes the accepted path's features and tokens into the draft-extend's static inputs.
-  sync     the accepted count and tokens come to the host: the cycle's only synchronisation.
+  sync     the accepted count and tokens come to the host: the cycle's only synchronisation. On CUDA the next
+           cycle's draft phase is queued before the host waits (its inputs are all on the device), so the GPU
+           drafts while the host reads the result and does its bookkeeping - unless this cycle may be the last.
   compact  the path's K/V move to slots L-1 .. L-2+count (trees only: a chain's path is already in place).
   extend   (first in the next cycle's draft phase) the drafter writes entries for the accepted positions from the
            target's features; its logits at the last accepted entry are the depth-1 candidates. It runs over
@@ -41,7 +43,7 @@ from engine.errors import EngineError
 from engine.generate import GenerationResult, check_lengths, cut_at_stop, prompt_tensor, sync
 from engine.graphs import CapturedCall, GraphSet
 from engine.sampling import SamplingParams, logits_to_probs, sample_from_probs
-from engine.tree import TreeShape, accept, ancestors, build_tree, select_nodes, top_children, tree_mask
+from engine.tree import TreeShape, accept, ancestors, build_tree, select_nodes, top_children, topk, tree_mask
 
 
 @dataclass
@@ -119,7 +121,7 @@ class SpecDecoder:
 
     def __init__(self, target: torch.nn.Module, drafter: Eagle3Drafter, max_seq_len: int, steps: int = 7,
                  topk: int = 1, draft_tokens: int | None = None, cuda_graphs: bool = True, eager_verify: bool = False,
-                 prefill_chunk: int = 512, compile: bool = False):
+                 prefill_chunk: int = 512, compile: bool = False, overlap: bool | None = None):
         if max_seq_len <= 1:
             raise EngineError(f"max_seq_len must be at least 2, got {max_seq_len}")
         self.shape = TreeShape.make(steps, topk, draft_tokens)
@@ -132,6 +134,11 @@ class SpecDecoder:
         self.cuda_graphs, self.eager_verify, self.prefill_chunk = cuda_graphs, eager_verify, prefill_chunk
         self.device = target.device
         self.compile = compile
+        # Queue the next draft phase before the host reads a cycle's result. On CUDA that hides the host's share
+        # of the cycle; on CPU nothing runs asynchronously, so by default it would only cost a wasted draft phase
+        # when a stop id ends the generation (tests turn it on there to check the outputs are the same).
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        self.result = HostCopy(self.shape.draft_tokens + 1, self.device)
         self.state = DraftState.empty(self.shape, drafter.cfg.hidden_size, drafter.dtype, self.device)
         self.inputs = {n: TreeInputs.empty(n, max_seq_len, target.cfg.vocab_size, self.device)
                        for n in (1, self.shape.draft_tokens)}
@@ -151,7 +158,7 @@ class SpecDecoder:
         pos = st.start + torch.arange(T, device=self.device)
         logits, out = self.drafter(feats, tokens, pos)
         last = count - 1
-        scores, ids = F.log_softmax(logits[0].index_select(0, last)[0], -1).topk(K)
+        scores, ids = topk(F.log_softmax(logits[0].index_select(0, last)[0], -1), K)
         st.pool_scores[:K] = scores
         st.pool_tokens[:K] = self.drafter.draft_to_target(ids)
         st.beam_scores.copy_(scores)
@@ -188,7 +195,7 @@ class SpecDecoder:
         st.pool_scores.index_copy_(0, dst, scores)
         st.pool_tokens.index_copy_(0, dst, tokens)
         st.pool_parents.index_copy_(0, dst, st.beam_pool[rows])
-        keep = scores.topk(K).indices
+        keep = topk(scores, K)[1]
         st.beam_scores.copy_(scores[keep])
         st.beam_tokens.copy_(tokens[keep])
         st.beam_pool.copy_(dst[keep])
@@ -241,15 +248,15 @@ class SpecDecoder:
             ext.feats[:, :m].copy_(aux.index_select(1, path[:m]))
             ext.tokens[0, :m].copy_(emitted[:m])
             ext.count.copy_(count)
-            return count, path, emitted
+            return path, torch.cat([count, emitted])  # result: what the host reads
 
         return verify
 
     def _compiled(self, fn, n: int | None = None):
         """With `compile`, fn (serving verifies of n tokens; None: of every size) through torch.compile (inductor),
-        captured inside our own graph like the eager fn. A draft step is ~100 small kernels (norms, RoPE, log-softmax, top-k, state updates) around ~750 MB of matrix
-        reads at the 8b shape, and verify several hundred around the target's weights: inductor fuses the small
-        ones. One compile for the extend, one for all draft steps, one each for the tree build and verify of the
+        captured inside our own graph like the eager fn. A draft step is ~100 small kernels (norms, RoPE,
+        log-softmax, top-k, state updates) around ~750 MB of matrix reads at the 8b shape, and verify several hundred
+        around the target's weights: inductor fuses the small ones. One compile for the extend, one for all draft steps, one each for the tree build and verify of the
         full tree. A verify of one token (the fallback at the cache's end) is rare: captured, not compiled, which
         saves two compiles; the prefill stays eager."""
         return torch.compile(fn, fullgraph=True, dynamic=False) if self.compile and n != 1 else fn
@@ -324,19 +331,27 @@ class SpecDecoder:
         yield Cycle([first])
         if first in stop_ids or max_new_tokens == 1:
             return
-        L, done, st = L + 1, 1, self.state
+        L, done = L + 1, 1
+        N, S, longest = self.shape.draft_tokens, self.max_seq_len, self.shape.steps + 1
         clock = Clock(self.device, timed)
         extend = False  # the prefill extended over the prompt; later cycles extend over the last accepted path
+        ahead = False  # this cycle's draft phase was queued by the previous cycle
         while True:
-            n = self.shape.draft_tokens if L - 1 + self.shape.draft_tokens <= self.max_seq_len else 1
-            ti = self.inputs[n]
-            self._draft[n, extend]()
+            n = N if L - 1 + N <= S else 1
+            if not ahead:
+                self._draft[n, extend]()
             draft_s = clock.lap()
             if not sampling.greedy:
-                ti.noise.exponential_(generator=gen)
-            count, path, emitted = self._verify[n, sampling]()
+                self.inputs[n].noise.exponential_(generator=gen)
+            path, result = self._verify[n, sampling]()
             verify_s = clock.lap()
-            host = torch.cat([count, emitted]).tolist()  # the cycle's one host synchronisation
+            self.result.start(result)
+            # The next draft needs only device data: queue it while the host waits, unless this cycle may be the
+            # last (length), the next size depends on the count (cache end), or the phases are being timed.
+            ahead = self.overlap and not timed and done + longest < max_new_tokens and L + longest - 1 + N <= S
+            if ahead:
+                self._draft[N, True]()
+            host = self.result.wait()  # the cycle's one host synchronisation
             c = host[0]
             tokens, reason = cut_at_stop(host[1:1 + c][:max_new_tokens - done], stop_ids)
             done, L = done + len(tokens), L + c
@@ -380,6 +395,28 @@ class SpecDecoder:
         """Yields the prefill's token, then each cycle's tokens (accepted drafts + bonus)."""
         for cyc in self._cycles(prompt_ids, max_new_tokens, sampling, tuple(stop_ids), seed, timed_phases):
             yield cyc.tokens
+
+
+class HostCopy:
+    """A device result read by the host without waiting for work queued after it: a copy into pinned memory and
+    an event to wait on (on CPU, a plain copy)."""
+
+    def __init__(self, size: int, device: torch.device):
+        cuda = device.type == "cuda"
+        self.buf = torch.empty(size, dtype=torch.long, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+        self.n = 0
+
+    def start(self, t: torch.Tensor) -> None:
+        self.n = t.numel()
+        self.buf[:self.n].copy_(t, non_blocking=True)
+        if self.event is not None:
+            self.event.record()
+
+    def wait(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.buf[:self.n].tolist()
 
 
 class Clock:

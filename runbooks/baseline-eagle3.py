@@ -20,7 +20,8 @@
 # ```yaml
 # title: Baseline vs EAGLE-3 (eager verify, graph verify) - tok/s, accept length, cycle ms
 # reproduces: [baseline_tok_s, eagle3_tok_s, eagle3_eager_verify_tok_s, speedup, eager_verify_speedup,
-#              accept_length, exact_match, cycle_ms, eager_verify_cycle_ms, eager_over_graph_cycle]
+#              accept_length, exact_match, exact_match_graph_verify, cycle_ms, eager_verify_cycle_ms,
+#              eager_over_graph_cycle]
 # feeds: [README.md, findings.md]
 # depends: [train-target, train-drafter]
 # profiles:
@@ -114,7 +115,15 @@ def measure(model, drafter, prompts, n_draft=None) -> dict:
 
 
 stats = measure(tgt, dft, prompts, n_draft)
-exact = sum(len({tuple(t) for t in outs}) == 1 for outs in zip(*(s.token_ids for s in stats.values()))) / len(prompts)
+
+
+def same_text(names) -> float:
+    """Share of prompts on which the named decoders all give the same greedy tokens."""
+    outs = zip(*(stats[n].token_ids for n in names))
+    return sum(len({tuple(t) for t in per_prompt}) == 1 for per_prompt in outs) / len(prompts)
+
+
+exact = same_text(stats)
 print(f"{'':22}{'tok/s':>9}{'ms/cycle':>10}{'accept':>8}{'draft':>8}{'verify':>8}{'other':>8}")
 for name, s in stats.items():
     print(f"{name:22}{s.tok_s:9.1f}{s.ms_per_cycle:10.2f}{s.accept_length:8.2f}{s.draft_ms:8.2f}{s.verify_ms:8.2f}"
@@ -163,6 +172,8 @@ record("accept_length", s.accept_length, unit="tokens/cycle", direction="none", 
 record("exact_match", exact, unit="fraction", direction="none",
        description="prompts on which every decoder (EAGLE-3 with graph or eager verify, compiled or not) gives the "
                    "baseline's greedy output")
+record("exact_match_graph_verify", same_text(["baseline", "eagle3"]), unit="fraction", direction="none",
+       description="prompts on which EAGLE-3 with graph verify gives the baseline's greedy output")
 record("cycle_ms", s.ms_per_cycle, unit="ms", direction="lower", rel_tol=rel_tol,
        description=f"{what}: wall time per verify cycle")
 record("eager_verify_cycle_ms", e.ms_per_cycle, unit="ms", direction="lower", rel_tol=rel_tol,
@@ -180,6 +191,9 @@ if torch_compile:
            description=f"{what}: EAGLE-3, draft steps and verify through torch.compile inside their graphs")
     record("compiled_speedup", cs.tok_s / cb.tok_s, unit="x", rel_tol=rel_tol / 2,
            description=f"{what}: compiled EAGLE-3 over the compiled baseline")
+    record("exact_match_compiled", same_text(["compiled_baseline", "compiled_eagle3"]), unit="fraction",
+           direction="none",
+           description="prompts on which compiled EAGLE-3 gives the compiled baseline's greedy output")
 
 # %% [markdown]
 # ## Cycle cost at a real shape

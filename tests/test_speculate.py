@@ -13,7 +13,7 @@ from engine.generate import Generator
 from engine.loading import random_model
 from engine.sampling import SamplingParams
 from engine.speculate import SpecDecoder
-from engine.tree import TreeShape, accept, ancestors, build_tree, select_nodes, tree_mask
+from engine.tree import TreeShape, accept, ancestors, build_tree, select_nodes, top_children, topk, tree_mask
 
 V = 97  # prime, so x -> 7x + 3 is a permutation
 
@@ -154,6 +154,21 @@ def test_cache_filling_up_falls_back_and_ends_cleanly(topk, n):
     assert len(got.token_ids) == seq - len(p)
 
 
+@pytest.mark.parametrize("steps,topk,n", CASES)
+def test_draft_queued_ahead_of_the_host_read_gives_the_same_tokens(steps, topk, n):
+    """With `overlap` (CUDA's default) each cycle queues the next draft phase before the host reads its count:
+    the outputs must not change, through partial acceptance, a stop id and the cache's end."""
+    t = bigram_target(100.0)
+    d = drafter_for(t, oracle=True, miss=3)
+    results = same_as_target(t, d, steps, topk, n, n_prompts=4, new=40, seq=60, overlap=True)
+    assert sum(r.accept_hist[1] for r in results) and sum(sum(r.accept_hist[2:]) for r in results)
+    p = prompts(1)[0]
+    full = Generator(t, 60, cuda_graphs=False).generate(p, 60 - len(p)).token_ids
+    spec = SpecDecoder(t, d, 60, steps, topk, n, overlap=True)
+    assert spec.generate(p, 60 - len(p)).token_ids == full  # the last cycles fall back to verifying one token
+    assert spec.generate(p, 40, stop_ids=(full[9],)).token_ids == full[:full.index(full[9]) + 1]
+
+
 def test_stream_matches_generate():
     t = bigram_target(100.0)
     spec = SpecDecoder(t, drafter_for(t, oracle=True, miss=3), 128, 3, 2, 6)
@@ -258,6 +273,19 @@ def test_tree_selection_is_closed_under_ancestors_even_with_ties():
     assert tokens[0] == 7 and par[0] == 0 and depth[0] == 0
     assert (par[1:] < torch.arange(1, 7)).all()  # parents come first
     assert (depth[1:] == depth[par[1:]] + 1).all()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_topk_and_whole_pool_selection_match_the_general_ops(k):
+    """A chain's shortcuts (max for top-1, the whole pool without a sort) give what topk and the sort give."""
+    x = torch.randn(4, 50, generator=torch.Generator().manual_seed(k))
+    values, ids = topk(x, k)
+    assert torch.equal(values, x.topk(k).values) and torch.equal(ids, x.topk(k).indices)
+    scores, ids, rows = top_children(torch.tensor([0.0, -1.0, -2.0, -3.0]), x, k)
+    assert rows.tolist() == [r for r in range(4) for _ in range(k)]
+    assert torch.equal(scores, (x + torch.tensor([0.0, -1.0, -2.0, -3.0])[:, None]).gather(1, ids.view(4, k)).flatten())
+    pool = torch.tensor([0.0, -1.0, -0.5, -3.0, -2.0, -2.5])
+    assert select_nodes(pool, 6).tolist() == pool.sort(descending=True, stable=True).indices.sort().values.tolist()
 
 
 def test_mask_and_accepted_path():
