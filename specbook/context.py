@@ -73,8 +73,12 @@ def _field(body: str, name: str) -> str:
     return _plain(m.group(1)) if m else ""
 
 
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
 def decision_lines(root: Path) -> list[str]:
-    """Open decisions from docs/decisions.md, with date, decision and why they are open; then a count of the rest."""
+    """Open decisions from docs/decisions.md, with date, decision and the first sentence of why they are open (the
+    rest is in the file: a decision must fit its share of a small budget); then a count of the rest."""
     path = Path(root) / "docs" / "decisions.md"
     if not path.is_file():
         return []
@@ -84,8 +88,8 @@ def decision_lines(root: Path) -> list[str]:
         if status != "open":
             closed.append(f"{heading.split(':')[0]} {status}")
             continue
-        lines.append(f"- {heading} [open, {_field(body, 'Date')}]: {_field(body, 'Decision')} "
-                     f"Open because: {_field(body, 'Why it is open')}")
+        why = _SENTENCE_END.split(_field(body, "Why it is open"), maxsplit=1)[0]
+        lines.append(f"- {heading} [open, {_field(body, 'Date')}]: {_field(body, 'Decision')} Open because: {why}")
     if closed:
         lines.append(f"- Closed: {', '.join(closed)} (docs/decisions.md)")
     return lines

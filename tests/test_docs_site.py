@@ -66,6 +66,7 @@ def test_context_fits_budget_and_has_the_essentials():
     full = build_context(ROOT, budget=4000)
     assert "baseline-k25-sglang @ 8x-rtx-pro-6000 [not verifiable here]" in full and "baseline_tok_s 82.5 tok/s" in full
     assert "D1: Abandon the CUDA-graph verify path" in full and "## Next steps" in full
+    assert 'Open because: "architectural limit" was concluded, not measured.\n' in full  # why's first sentence
     assert "D1: Abandon" in build_context(ROOT, budget=700)  # numbers do not crowd out the open decisions
     for budget in (120, 200, 400, 800):
         text = build_context(ROOT, budget=budget)
