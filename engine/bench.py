@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TypeVar
@@ -15,9 +14,10 @@ from typing import TypeVar
 import torch
 
 from engine.errors import EngineError
-from engine.generate import Generator, sync
+from engine.generate import Generator
 from engine.graphs import CapturedCall, GraphSet
 from engine.loading import save_model
+from engine.timing import sync, time_fn
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 T = TypeVar("T")
@@ -88,28 +88,6 @@ class BenchResult:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "t8_over_t1": self.t8_over_t1, "peer_ratio": self.peer_ratio}
-
-
-def time_fn(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 2) -> float:
-    """Seconds per call of fn after warm-up: on CUDA the mean of `iters` back-to-back calls between two events; on
-    CPU the median of `iters` timed calls, since other processes on shared cores make single calls slow."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1000 / iters
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def copy_bandwidth(device: torch.device) -> float:

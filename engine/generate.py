@@ -4,7 +4,6 @@ loop ends, so the GPU never waits for Python. On CPU the same step runs eagerly.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -13,6 +12,7 @@ import torch
 from engine.errors import EngineError
 from engine.graphs import CapturedCall
 from engine.sampling import SamplingParams, sample
+from engine.timing import clock, sync
 
 
 @dataclass
@@ -53,11 +53,6 @@ class GenerationResult:
     def to_dict(self) -> dict:
         return {**{k: getattr(self, k) for k in self.__dataclass_fields__},
                 "tok_s": self.tok_s, "ms_per_token": self.ms_per_token, "accept_length": self.accept_length}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def prompt_tensor(prompt_ids: Sequence[int] | torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -173,7 +168,8 @@ class Generator:
         step = self._decode_call(sampling)
         torch.manual_seed(seed)  # also seeds the CUDA generator the graph's sampling draws from
         sync(self.device)
-        t0 = time.perf_counter()
+        now = clock(self.device)
+        t0 = now()
         first = sample(prefill(self.model, ids, self.prefill_chunk), sampling)  # [1]
         st = self.state
         st.token.copy_(first.view(1, 1))
@@ -181,7 +177,7 @@ class Generator:
         st.out[0] = first[0]
         st.idx.fill_(1)
         sync(self.device)
-        return step, L, time.perf_counter() - t0
+        return step, L, now() - t0
 
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
@@ -189,11 +185,12 @@ class Generator:
         """The whole decode loop on the device and one host sync at the end; stop ids are applied afterwards,
         so the loop always runs max_new_tokens steps (decode_s includes any steps after a stop)."""
         step, L, prefill_s = self.begin(prompt_ids, max_new_tokens, sampling, seed)
-        t0 = time.perf_counter()
+        now = clock(self.device)
+        t0 = now()
         for _ in range(max_new_tokens - 1):
             step()
         ids = self.state.out[:max_new_tokens].tolist()  # the one host sync
-        decode_s = time.perf_counter() - t0
+        decode_s = now() - t0
         ids, reason = cut_at_stop(ids, stop_ids)
         cycles = len(ids) - 1
         return GenerationResult(ids, L, prefill_s, decode_s, cycles, [0, cycles],

@@ -31,7 +31,6 @@ eagerly - the game plan's "extend mode without CUDA graphs" - to measure what th
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -40,9 +39,10 @@ import torch.nn.functional as F
 
 from engine.drafter import Eagle3Drafter
 from engine.errors import EngineError
-from engine.generate import GenerationResult, check_lengths, cut_at_stop, prompt_tensor, sync
+from engine.generate import GenerationResult, check_lengths, cut_at_stop, prompt_tensor
 from engine.graphs import CapturedCall, GraphSet
 from engine.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from engine.timing import Clock, clock, sync
 from engine.tree import TreeShape, accept, ancestors, build_tree, select_nodes, top_children, topk, tree_mask
 
 
@@ -371,11 +371,12 @@ class SpecDecoder:
         a little slower."""
         self._prepare(sampling)  # graph capture is not prefill time
         sync(self.device)
-        t0 = time.perf_counter()
+        now = clock(self.device)
+        t0 = now()
         cycles = self._cycles(prompt_ids, max_new_tokens, sampling, tuple(stop_ids), seed, timed_phases)
         token_ids = next(cycles).tokens
-        prefill_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
+        prefill_s = now() - t0
+        t1 = now()
         hist = [0] * (self.shape.steps + 2)
         draft_s = verify_s = other_s = 0.0
         n_cycles = 0
@@ -385,7 +386,7 @@ class SpecDecoder:
             hist[len(cyc.tokens)] += 1
             draft_s, verify_s, other_s = draft_s + cyc.draft_s, verify_s + cyc.verify_s, other_s + cyc.other_s
         sync(self.device)
-        decode_s = time.perf_counter() - t1
+        decode_s = now() - t1
         reason = "stop" if token_ids[-1] in set(stop_ids) else "length"
         return GenerationResult(token_ids, torch.as_tensor(prompt_ids).numel(), prefill_s, decode_s, n_cycles, hist,
                                 draft_s, verify_s, other_s, reason)
@@ -417,54 +418,3 @@ class HostCopy:
         if self.event is not None:
             self.event.synchronize()
         return self.buf[:self.n].tolist()
-
-
-class Clock:
-    """Phase laps; synchronises the device first when timing is asked for, and costs nothing otherwise."""
-
-    def __init__(self, device: torch.device, enabled: bool):
-        self.device, self.enabled = device, enabled
-        self.t = time.perf_counter()
-
-    def lap(self) -> float:
-        if not self.enabled:
-            return 0.0
-        sync(self.device)
-        now = time.perf_counter()
-        dt, self.t = now - self.t, now
-        return dt
-
-
-@dataclass
-class CycleStats:
-    """Decode speed of one decoder over a set of prompts (the median of `repeats` passes), and the per-cycle split
-    from one extra pass with synchronised phases."""
-    tok_s: float
-    samples: list[float]  # tok/s of each pass
-    ms_per_cycle: float  # target forwards after the prefill: decode steps for the baseline, verify cycles here
-    accept_length: float
-    draft_ms: float
-    verify_ms: float
-    other_ms: float
-    token_ids: list[list[int]]  # the outputs of the last pass, per prompt
-
-
-def cycle_stats(decoder, prompts: list[list[int]], new_tokens: int, repeats: int = 3, seed: int = 0,
-                sampling: SamplingParams = SamplingParams()) -> CycleStats:
-    """Works for Generator and SpecDecoder alike; the first call captures graphs and is not timed."""
-    decoder.generate(prompts[0], min(new_tokens, 8), sampling, seed=seed)
-    passes = []
-    for _ in range(repeats):
-        runs = [decoder.generate(p, new_tokens, sampling, seed=seed) for p in prompts]
-        tokens, secs = sum(r.decode_tokens for r in runs), sum(r.decode_s for r in runs)
-        passes.append((tokens / secs, secs, sum(r.verify_cycles for r in runs), runs))
-    tok_s, secs, cycles, runs = sorted(passes, key=lambda x: x[0])[len(passes) // 2]
-    timed = [decoder.generate(p, new_tokens, sampling, seed=seed, timed_phases=True) for p in prompts]
-    n = sum(r.verify_cycles for r in timed)
-
-    def per_cycle(attr: str) -> float:
-        return 1e3 * sum(getattr(r, attr) for r in timed) / n
-
-    return CycleStats(tok_s, [p[0] for p in passes], 1e3 * secs / cycles,
-                      sum(r.decode_tokens for r in runs) / cycles, per_cycle("draft_s"), per_cycle("verify_s"),
-                      per_cycle("other_s"), [r.token_ids for r in runs])

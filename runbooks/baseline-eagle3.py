@@ -22,13 +22,17 @@
 # reproduces: [baseline_tok_s, eagle3_tok_s, eagle3_eager_verify_tok_s, speedup, eager_verify_speedup,
 #              accept_length, exact_match, exact_match_graph_verify, cycle_ms, eager_verify_cycle_ms,
 #              eager_over_graph_cycle]
-# feeds: [README.md, findings.md]
+# feeds: [findings.md, decisions.md, game-plan.md]
+# conclusion: "EAGLE-3 with captured verify runs {speedup:.2f}x the baseline, with eager verify {eager_verify_speedup:.2f}x
+#   (accept length {accept_length:.2f}, exact greedy match on {exact_match:.0%} of prompts). On a CPU nothing is
+#   captured, so the two verify modes cost about the same here; the game plan's slowdown from an eager verify is a
+#   GPU effect: `runbook show baseline-eagle3` lists the h200 record (eager verify below the baseline there)."
 # depends: [train-target, train-drafter]
 # profiles:
-#   cpu: {device: cpu, dtype: float32, n_prompts: 4, prompt_len: 64, new_tokens: 64, repeats: 3, rel_tol: 0.75}
+#   cpu: {device: cpu, dtype: float32, n_prompts: 4, prompt_len: 64, new_tokens: 64, repeats: 3, rel_tol: 0.15}
 #   h200: {device: cuda, dtype: bfloat16, n_prompts: 8, prompt_len: 128, new_tokens: 256, repeats: 3,
 #          cycle_shape: llama-3.1-8b, torch_compile: true, rel_tol: 0.15}
-#   cpu.dsv3: {device: cpu, dtype: float32, n_prompts: 4, prompt_len: 64, new_tokens: 64, repeats: 3, rel_tol: 0.75}
+#   cpu.dsv3: {device: cpu, dtype: float32, n_prompts: 4, prompt_len: 64, new_tokens: 64, repeats: 3, rel_tol: 0.15}
 #   h200.dsv3: {device: cuda, dtype: bfloat16, n_prompts: 8, prompt_len: 128, new_tokens: 256, repeats: 3,
 #               torch_compile: true, rel_tol: 0.15}
 # timeout: 3600
@@ -54,7 +58,7 @@ cycle_accept_length = 3.86  # SGLang's H200 MT-bench accept length (chain, 7 ste
 max_seq_len = 512
 seed = 0
 cpu_threads = 1  # torch threads on CPU: small models on shared cores run fastest on one
-rel_tol = 0.75  # timings; shared CPU cores are noisy, a dedicated GPU is not
+rel_tol = 0.15  # floor of the timings' relative tolerance (specbook.record derives it from the samples)
 
 # %%
 import gc
@@ -65,7 +69,8 @@ import torch
 from engine.drafter import load_drafter, new_drafter
 from engine.generate import Generator
 from engine.loading import load_model, random_model, resolve_device, resolve_dtype
-from engine.speculate import SpecDecoder, cycle_stats
+from engine.speculate import SpecDecoder
+from engine.timing import cycle_stats
 from engine.train.drafter import prompt_ids
 from engine.train.tokenizer import load_tokenizer
 from specbook import record
@@ -162,23 +167,25 @@ record("eagle3_tok_s", s.tok_s, unit="tok/s", rel_tol=rel_tol, samples=s.samples
        description=f"{what}: EAGLE-3, every phase captured")
 record("eagle3_eager_verify_tok_s", e.tok_s, unit="tok/s", rel_tol=rel_tol, samples=e.samples,
        description=f"{what}: EAGLE-3 with the verify forward run eagerly (the game plan's slow path)")
-record("speedup", s.tok_s / b.tok_s, unit="x", rel_tol=rel_tol / 2, description=f"{what}: EAGLE-3 over baseline")
-record("eager_verify_speedup", e.tok_s / b.tok_s, unit="x", rel_tol=rel_tol / 2,
+record("speedup", s.tok_s / b.tok_s, unit="x", rel_tol=rel_tol, description=f"{what}: EAGLE-3 over baseline")
+record("eager_verify_speedup", e.tok_s / b.tok_s, unit="x", rel_tol=rel_tol,
        description=f"{what}: EAGLE-3 with eager verify over baseline (below 1 is the game plan's regression)")
-# greedy acceptance depends only on the models and prompts: a tight tolerance (another CPU's SIMD path or bf16
-# kernels may flip a near-tie)
-record("accept_length", s.accept_length, unit="tokens/cycle", direction="none", abs_tol=0.05,
+# greedy acceptance depends only on the models and prompts: exact on CPU, where training and inference are
+# deterministic; on a GPU the models themselves come from non-deterministic training, so there it is noisy
+given = "exact" if dev.type == "cpu" else "noisy"
+record("accept_length", s.accept_length, unit="tokens/cycle", direction="none", kind=given,
        description=f"{what}: decode tokens per verify cycle, bonus token included")
-record("exact_match", exact, unit="fraction", direction="none",
+record("exact_match", exact, unit="fraction", direction="none", kind=given,
        description="prompts on which every decoder (EAGLE-3 with graph or eager verify, compiled or not) gives the "
                    "baseline's greedy output")
-record("exact_match_graph_verify", same_text(["baseline", "eagle3"]), unit="fraction", direction="none",
+record("exact_match_graph_verify", same_text(["baseline", "eagle3"]), unit="fraction", direction="none", kind=given,
        description="prompts on which EAGLE-3 with graph verify gives the baseline's greedy output")
 record("cycle_ms", s.ms_per_cycle, unit="ms", direction="lower", rel_tol=rel_tol,
        description=f"{what}: wall time per verify cycle")
 record("eager_verify_cycle_ms", e.ms_per_cycle, unit="ms", direction="lower", rel_tol=rel_tol,
        description=f"{what}: wall time per verify cycle with eager verify")
-record("eager_over_graph_cycle", e.ms_per_cycle / s.ms_per_cycle, unit="x", direction="none", rel_tol=rel_tol / 2,
+record("eager_over_graph_cycle", e.ms_per_cycle / s.ms_per_cycle, unit="x", direction="none", kind="noisy",
+       rel_tol=rel_tol,
        description="cycle time with eager verify over cycle time with graph verify")
 for part in ("draft_ms", "verify_ms", "other_ms"):
     record(f"cycle_{part}", getattr(s, part), unit="ms", direction="lower", rel_tol=rel_tol,
@@ -189,10 +196,10 @@ if torch_compile:
            description=f"{what}: the target alone, decode step through torch.compile inside its graph")
     record("compiled_eagle3_tok_s", cs.tok_s, unit="tok/s", rel_tol=rel_tol, samples=cs.samples,
            description=f"{what}: EAGLE-3, draft steps and verify through torch.compile inside their graphs")
-    record("compiled_speedup", cs.tok_s / cb.tok_s, unit="x", rel_tol=rel_tol / 2,
+    record("compiled_speedup", cs.tok_s / cb.tok_s, unit="x", rel_tol=rel_tol,
            description=f"{what}: compiled EAGLE-3 over the compiled baseline")
     record("exact_match_compiled", same_text(["compiled_baseline", "compiled_eagle3"]), unit="fraction",
-           direction="none",
+           direction="none", kind=given,
            description="prompts on which compiled EAGLE-3 gives the compiled baseline's greedy output")
 
 # %% [markdown]
@@ -217,7 +224,7 @@ if cycle_shape:
     sfx = f".{cycle_shape}"
     ce = big_stats["eagle3_eager_verify"]
     record(f"eager_over_graph_cycle{sfx}", ce.ms_per_cycle / big_stats["eagle3"].ms_per_cycle, unit="x",
-           direction="none", rel_tol=rel_tol / 2,
+           direction="none", kind="noisy", rel_tol=rel_tol,
            description=f"{cycle_shape}: cycle with eager verify over cycle with graph verify")
 
     def record_cycle(prefix: str, how: str) -> None:
@@ -231,7 +238,7 @@ if cycle_shape:
         record(f"{prefix}cycle_ms{sfx}", cyc, unit="ms", direction="lower", rel_tol=rel_tol,
                description=f"{cycle_shape}: one chain cycle, {steps} draft steps + verify of {steps + 1} + "
                            f"bookkeeping ({how})")
-        record(f"{prefix}cycle_over_step{sfx}", cyc / step, unit="x", direction="lower", rel_tol=rel_tol / 2,
+        record(f"{prefix}cycle_over_step{sfx}", cyc / step, unit="x", direction="lower", rel_tol=rel_tol,
                description=f"{cycle_shape}: chain cycle over decode step, {how} (issue 4 asks <= 1.5; SGLang on "
                            f"an H200 ~1.6)")
         for part in ("draft_ms", "verify_ms", "other_ms"):
@@ -239,7 +246,7 @@ if cycle_shape:
                    description=f"{cycle_shape}: {part.removesuffix('_ms')} phase of a chain cycle ({how})")
         record(f"{prefix}projected_tok_s{sfx}", cycle_accept_length / (cyc / 1e3), unit="tok/s", rel_tol=rel_tol,
                description=f"{cycle_shape}: {cycle_accept_length} tokens per cycle at the measured cycle time ({how})")
-        record(f"{prefix}projected_speedup{sfx}", cycle_accept_length * step / cyc, unit="x", rel_tol=rel_tol / 2,
+        record(f"{prefix}projected_speedup{sfx}", cycle_accept_length * step / cyc, unit="x", rel_tol=rel_tol,
                description=f"{cycle_shape}: projected tok/s over the engine's own baseline, {how} (issue 4 asks "
                            f">= 2.6)")
 

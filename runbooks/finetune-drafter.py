@@ -16,9 +16,9 @@
 # inputs: [corpus]
 # profiles:
 #   cpu: {preset: cpu, device: cpu}
-#   h200: {preset: gpu, device: cuda, samples: 2048}
+#   h200: {preset: gpu, device: cuda, samples: 2048, loss_tol: 0.02, accept_tol: 0.05}
 #   cpu.dsv3: {preset: cpu, device: cpu}
-#   h200.dsv3: {preset: gpu, device: cuda, samples: 2048}
+#   h200.dsv3: {preset: gpu, device: cuda, samples: 2048, loss_tol: 0.02, accept_tol: 0.05}
 # timeout: 3600
 # cell_timeout: 3000
 # ```
@@ -35,8 +35,8 @@ max_new_tokens: int | None = None
 target: str | None = None  # the new target [default: train-target's target-b]
 drafter: str | None = None  # the drafter to start from [default: train-drafter's drafter-a]
 threads = 2
-loss_tol = 0.02
-accept_tol = 0.05
+loss_tol = 1e-4  # relative tolerance of the losses: exact on CPU (fixed seeds, pinned corpus); GPUs set one
+accept_tol = 0.0  # accept lengths: exact on CPU; GPU training is not bit-reproducible, so a GPU profile sets one
 outputs_dir: str | None = None
 upstream: dict = {}
 
@@ -103,11 +103,12 @@ plt.show()
 
 # %%
 after = curve[-1][1]
-record("accept_before", before, unit="tokens/cycle", direction="none", rel_tol=accept_tol,
+kind = "exact" if device == "cpu" else "noisy"  # GPU training is not bit-reproducible: its results are noisy
+record("accept_before", before, unit="tokens/cycle", kind=kind, direction="none", rel_tol=accept_tol,
        description=f"drafter A on target B before fine-tuning (greedy chain of {chain_steps}, mix B prompts)")
-record("accept_after", after, unit="tokens/cycle", direction="higher", rel_tol=accept_tol,
+record("accept_after", after, unit="tokens/cycle", kind=kind, direction="higher", rel_tol=accept_tol,
        description=f"after {run.steps} fine-tuning steps on {samples} samples of mix B")
-record("accept_gain", after - before, unit="tokens/cycle", direction="higher", abs_tol=accept_tol * after,
+record("accept_gain", after - before, unit="tokens/cycle", kind=kind, direction="higher", rel_tol=accept_tol,
        description="accept length gained by fine-tuning")
-record("finetune_loss", res.final_loss, unit="nats", direction="lower", rel_tol=loss_tol,
+record("finetune_loss", res.final_loss, unit="nats", kind=kind, direction="lower", rel_tol=loss_tol,
        description="training-time-test loss at the end of fine-tuning")

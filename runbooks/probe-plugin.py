@@ -19,9 +19,9 @@
 # inputs: [corpus]
 # profiles:
 #   cpu: {preset: cpu, device: cpu}
-#   h200: {preset: gpu, device: cuda}
+#   h200: {preset: gpu, device: cuda, accept_tol: 0.05, cos_tol: 0.01}
 #   cpu.dsv3: {preset: cpu, device: cpu}
-#   h200.dsv3: {preset: gpu, device: cuda}
+#   h200.dsv3: {preset: gpu, device: cuda, accept_tol: 0.05, cos_tol: 0.01}
 # timeout: 1800
 # cell_timeout: 1500
 # ```
@@ -37,8 +37,8 @@ target: str | None = None  # target A [default: train-target's target-a]
 target_b: str | None = None  # target B [default: train-target's target-b]
 drafter: str | None = None  # drafter A [default: train-drafter's drafter-a]
 threads = 2
-cos_tol = 0.01  # relative tolerance of the deterministic numbers
-accept_tol = 0.05
+cos_tol = 1e-4  # relative tolerance of the cosines: exact on CPU; a GPU profile sets its own
+accept_tol = 0.0  # accept lengths: exact on CPU; GPU training is not bit-reproducible, so a GPU profile sets one
 upstream: dict = {}
 
 # %%
@@ -114,13 +114,14 @@ for name, model in (("A", model_a), ("B", model_b)):
     print(f"drafter A on target {name}: accept length {tau[name]:.3f}")
 
 # %%
-record("cos_aux_mean", sum(cos[i] for i in aux_layers) / 3, unit="cosine", direction="none", rel_tol=cos_tol,
+kind = "exact" if device == "cpu" else "noisy"  # GPU training is not bit-reproducible: its results are noisy
+record("cos_aux_mean", sum(cos[i] for i in aux_layers) / 3, unit="cosine", kind=kind, direction="none", rel_tol=cos_tol,
        description="A-vs-B cosine similarity at the drafter's three feature layers, mean")
-record("cos_min", min(cos), unit="cosine", direction="none", rel_tol=cos_tol,
+record("cos_min", min(cos), unit="cosine", kind=kind, direction="none", rel_tol=cos_tol,
        description="lowest A-vs-B cosine similarity over layers")
-record("accept_on_a", tau["A"], unit="tokens/cycle", direction="higher", rel_tol=accept_tol,
+record("accept_on_a", tau["A"], unit="tokens/cycle", kind=kind, direction="higher", rel_tol=accept_tol,
        description=f"drafter A on target A, greedy chain of {chain_steps}, held-out prompts of mix {mix}")
-record("accept_on_b", tau["B"], unit="tokens/cycle", direction="higher", rel_tol=accept_tol,
+record("accept_on_b", tau["B"], unit="tokens/cycle", kind=kind, direction="higher", rel_tol=accept_tol,
        description=f"drafter A plugged into target B unchanged, same prompts")
-record("accept_kept", (tau["B"] - 1) / max(tau["A"] - 1, 1e-9), unit="fraction", direction="higher",
+record("accept_kept", (tau["B"] - 1) / max(tau["A"] - 1, 1e-9), unit="fraction", kind=kind, direction="higher",
        rel_tol=accept_tol, description="share of drafter A's accepted draft tokens per cycle that survive on B")

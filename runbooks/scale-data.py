@@ -18,9 +18,9 @@
 # inputs: [corpus]
 # profiles:
 #   cpu: {preset: cpu, device: cpu, sample_counts: [16, 128, 1024], steps: 100}
-#   h200: {preset: gpu, device: cuda, sample_counts: [256, 1024, 4096], steps: 400}
+#   h200: {preset: gpu, device: cuda, sample_counts: [256, 1024, 4096], steps: 400, accept_tol: 0.05}
 #   cpu.dsv3: {preset: cpu, device: cpu, sample_counts: [16, 1024], steps: 60}
-#   h200.dsv3: {preset: gpu, device: cuda, sample_counts: [256, 1024, 4096], steps: 600}
+#   h200.dsv3: {preset: gpu, device: cuda, sample_counts: [256, 1024, 4096], steps: 600, accept_tol: 0.05}
 # timeout: 5400
 # cell_timeout: 5000
 # ```
@@ -36,7 +36,7 @@ max_new_tokens: int | None = None
 target: str | None = None  # [default: train-target's target-b]
 drafter: str | None = None  # a reference drafter measured on the same target and prompts
 threads = 2
-accept_tol = 0.05
+accept_tol = 0.0  # accept lengths: exact on CPU; GPU training is not bit-reproducible, so a GPU profile sets one
 outputs_dir: str | None = None
 upstream: dict = {}
 
@@ -97,10 +97,11 @@ ax2.legend()
 plt.show()
 
 # %%
+kind = "exact" if device == "cpu" else "noisy"  # GPU training is not bit-reproducible: its results are noisy
 for n in ns:
-    record(f"accept_n{n}", results[n][0], unit="tokens/cycle", direction="higher", rel_tol=accept_tol,
+    record(f"accept_n{n}", results[n][0], unit="tokens/cycle", kind=kind, direction="higher", rel_tol=accept_tol,
            description=f"drafter trained on {n} samples of mix B, {run.steps} steps, greedy chain of {chain_steps}")
-record("accept_at_min", results[ns[0]][0], unit="tokens/cycle", direction="higher", rel_tol=accept_tol,
+record("accept_at_min", results[ns[0]][0], unit="tokens/cycle", kind=kind, direction="higher", rel_tol=accept_tol,
        description=f"accept length with the fewest samples ({ns[0]})")
-record("accept_at_max", results[ns[-1]][0], unit="tokens/cycle", direction="higher", rel_tol=accept_tol,
+record("accept_at_max", results[ns[-1]][0], unit="tokens/cycle", kind=kind, direction="higher", rel_tol=accept_tol,
        description=f"accept length with the most samples ({ns[-1]})")

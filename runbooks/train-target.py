@@ -23,9 +23,9 @@
 # inputs: [corpus]
 # profiles:
 #   cpu: {preset: cpu, device: cpu}
-#   h200: {preset: gpu, device: cuda}
+#   h200: {preset: gpu, device: cuda, loss_tol: 0.02}
 #   cpu.dsv3: {preset: cpu, device: cpu, family: deepseek_v3, steps_a: 100, steps_b: 40}
-#   h200.dsv3: {preset: gpu, device: cuda, family: deepseek_v3}
+#   h200.dsv3: {preset: gpu, device: cuda, family: deepseek_v3, loss_tol: 0.02}
 # timeout: 3600
 # cell_timeout: 3000
 # ```
@@ -39,7 +39,7 @@ steps_b: int | None = None
 target: str | None = None  # an existing HF checkpoint to use as target A instead of training one
 target_b: str | None = None  # ... and as target B
 threads = 2  # CPU threads: fixed, so that losses are reproducible to the last digits
-loss_tol = 0.02  # relative tolerance of the (deterministic) losses across machines
+loss_tol = 1e-4  # relative tolerance of the losses: exact on CPU (fixed seeds, pinned corpus); GPUs set one
 outputs_dir: str | None = None
 upstream: dict = {}
 
@@ -118,15 +118,16 @@ for (m, mix), v in losses.items():
 # ## Recorded numbers
 
 # %%
+kind = "exact" if device == "cpu" else "noisy"  # GPU training is not bit-reproducible: its results are noisy
 record("n_params", count_params(model_a), unit="parameters", direction="none",
        description="parameters of each target (A and B share the shape)")
-record("a_train_loss", res_a.final_loss if res_a else losses["A", "A"], unit="nats", direction="lower",
+record("a_train_loss", res_a.final_loss if res_a else losses["A", "A"], unit="nats", kind=kind, direction="lower",
        rel_tol=loss_tol, description="target A's training loss, mean of the last 5% of steps")
-record("a_val_loss", losses["A", "A"], unit="nats", direction="lower", rel_tol=loss_tol,
+record("a_val_loss", losses["A", "A"], unit="nats", kind=kind, direction="lower", rel_tol=loss_tol,
        description="target A on mix A's validation split")
-record("b_val_loss", losses["B", "B"], unit="nats", direction="lower", rel_tol=loss_tol,
+record("b_val_loss", losses["B", "B"], unit="nats", kind=kind, direction="lower", rel_tol=loss_tol,
        description="target B on mix B's validation split")
-record("a_val_loss_on_b", losses["A", "B"], unit="nats", direction="none", rel_tol=loss_tol,
+record("a_val_loss_on_b", losses["A", "B"], unit="nats", kind=kind, direction="none", rel_tol=loss_tol,
        description="target A on mix B: how unfamiliar the shifted data is to A")
-record("b_val_loss_on_a", losses["B", "A"], unit="nats", direction="none", rel_tol=loss_tol,
+record("b_val_loss_on_a", losses["B", "A"], unit="nats", kind=kind, direction="none", rel_tol=loss_tol,
        description="target B on mix A: what B forgot of A's data")

@@ -22,13 +22,13 @@ from typing import Iterable
 
 import yaml
 
-from specbook import SpecbookError, provenance, records, verify
+from specbook import SpecbookError, records, verify
 
 FRONT_MATTER_KEYS = ("title", "status", "updated", "runbooks", "records")
 # Pages the site generates at build time (specbook.site): links to them are not broken.
 GENERATED_PAGES = frozenset({"dashboard.md", "llms.txt", "llms-full.txt"})
-# Verdicts that make a documented number untrustworthy; "not verifiable here" is shown, not failed.
-FAILING_VERDICTS = frozenset({verify.STALE, verify.DRIFTED, verify.FAILED})
+# States that make a documented number untrustworthy; "current" on another profile is shown, not failed.
+FAILING_VERDICTS = verify.FAILING
 
 KEY = r"[A-Za-z0-9_.-]+"
 CLAIM_RE = re.compile(
@@ -100,20 +100,13 @@ def find_metric(root: Path, runbook: str, profile: str, metric: str, cache: dict
     return (data["profiles"].get(profile) or {}).get("metrics", {}).get(metric) if data else None
 
 
-def verdict_here(status_verdict: str, profile: str) -> str:
-    """What a hash-based status verdict means on this machine: a number of another hardware profile cannot be
-    re-run here, so it is not verifiable here (stale or not); this profile's numbers keep fresh / stale / failed."""
-    if status_verdict == verify.UNRECORDED or provenance.runs_here(profile, provenance.detect_profile()):
-        return status_verdict
-    return verify.ELSEWHERE
-
-
 def record_verdict(root: Path, runbook: str, profile: str, metric: str, cache: dict) -> str:
-    """The verdict of one recorded metric on this machine, from input hashes (nothing runs)."""
-    key = ("verdicts", runbook)
-    if key not in cache:
-        cache[key] = {(v.profile, v.metric): v.verdict for v in verify.status(Path(root), [runbook])}
-    return verdict_here(cache[key].get((profile, metric), verify.UNRECORDED), profile)
+    """The state of one recorded metric (specbook.verify: current, stale, reported, ...), from input hashes; the
+    index of every record is computed once per cache."""
+    if "index" not in cache:
+        cache["index"] = verify.index(Path(root))
+    v = cache["index"].get(f"{runbook}/{profile}/{metric}")
+    return v.state if v else verify.UNRECORDED
 
 
 def format_value(metric: dict, fmt: str) -> str:

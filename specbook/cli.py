@@ -15,15 +15,26 @@ from specbook import SpecbookError, provenance, records
 from specbook.execute import Target, target
 from specbook.execute import run as run_target
 from specbook.runbooks import discover, find_root, load, parse_cli
-from specbook.verify import DRIFTED, FAILED, STALE, Verdict, age, drift, exit_code, status, verify
+from specbook.verify import (FAILED, FAILING, STALE, STATES, Verdict, age, check_profile, drift, exit_code,
+                             status, verify)
 
 EXIT_CODES = """\b
+States of a recorded number (the same words everywhere):
+  fresh     re-measured here within tolerance
+  drifted   re-measured here outside tolerance (a noisy number: on two runs)
+  flaky     a noisy number re-measured twice whose runs disagree
+  failed    could not be re-measured (the runbook failed)
+  current   not re-measured; its inputs are unchanged since it was recorded
+  stale     not re-measured; its inputs changed since it was recorded
+  reported  measured by hand elsewhere, never re-run
+\b
 Exit codes:
-  0  ok (numbers fresh, or stale but within tolerance, or not verifiable here)
-  1  drifted: a re-run number is outside its tolerance (regression, improvement or change),
-     or docs disagree with the records (verify --docs); `status`: something is stale
-  2  bad input: unknown runbook or parameter, malformed header or record, wrong profile
-  3  could not run: a runbook failed, timed out, or cannot run on this machine's profile"""
+  0  ok: nothing drifted, flaky or failed (`status`: nothing stale)
+  1  drifted or flaky numbers, or docs that disagree with the records (verify --docs);
+     `status`: something is stale
+  2  bad input: unknown runbook, profile or parameter, malformed header or record
+  3  could not run: a runbook failed, timed out, or cannot run on this machine's profile
+  130 interrupted"""
 
 
 @dataclass
@@ -86,16 +97,21 @@ def _emit(as_json: bool, payload: Any, text: str) -> None:
     click.echo(json.dumps(payload, indent=2, default=str) if as_json else text)
 
 
-def _verdict_text(v: Verdict) -> str:
-    return f"{v.verdict} ({v.change})" if v.change else v.verdict
-
-
 def _verdict_rows(vs: list[Verdict]) -> list[list[Any]]:
-    return [[v.runbook, v.profile, v.metric, _verdict_text(v), _num(v.recorded), _num(v.measured), v.unit, v.age,
-             v.detail] for v in vs]
+    return [[v.runbook, v.profile, v.metric, v.label, _num(v.recorded), _num(v.measured), v.unit,
+             age(v.date) if v.date else "-", v.inputs or "-", v.detail] for v in vs]
 
 
-VERDICT_HEADERS = ["runbook", "profile", "metric", "verdict", "recorded", "measured", "unit", "age", "detail"]
+VERDICT_HEADERS = ["runbook", "profile", "metric", "state", "recorded", "measured", "unit", "age", "inputs", "detail"]
+
+
+def summary(verdicts: list[Verdict]) -> str:
+    """One line of counts: the numbers this machine can re-measure, and those of other hardware or reported."""
+    def counts(vs: list[Verdict]) -> str:
+        return ", ".join(f"{n} {s}" for s in STATES if (n := sum(v.state == s for v in vs))) or "none"
+
+    return (f"this machine's profiles: {counts([v for v in verdicts if v.here])}; other hardware or reported: "
+            f"{counts([v for v in verdicts if not v.here])}")
 
 
 @main.command("list")
@@ -107,8 +123,8 @@ def list_(obj: Ctx, as_json: bool) -> None:
     states: dict[str, dict[str, str]] = {}
     for v in status(root):
         worst = states.setdefault(v.runbook, {}).get(v.profile)
-        if worst is None or _rank(v.verdict) > _rank(worst):
-            states[v.runbook][v.profile] = v.verdict
+        if worst is None or _rank(v.state) > _rank(worst):
+            states[v.runbook][v.profile] = v.state
     items = []
     for name in discover(root):
         try:
@@ -124,8 +140,9 @@ def list_(obj: Ctx, as_json: bool) -> None:
     _emit(as_json, items, _table(["runbook", "profiles", "depends", "records", "title"], rows))
 
 
-def _rank(verdict: str) -> int:
-    return {FAILED: 3, DRIFTED: 2, STALE: 1}.get(verdict, 0)
+def _rank(state: str) -> int:
+    """Which state a group shows when its numbers differ: the most alarming."""
+    return len(STATES) - STATES.index(state) if state in FAILING else 0
 
 
 @main.command()
@@ -134,40 +151,100 @@ def _rank(verdict: str) -> int:
               help="Override a parameter declared in the runbook's parameters cell (repeatable).")
 @click.option("--profile", help="This machine's hardware profile (default: detected) or a variant of it declared in "
               "the runbook, e.g. cpu.dsv3.")
+@click.option("--record", "record_", is_flag=True, help="Write the numbers into baselines/, the executed notebook "
+              "into docs/runbooks/executed/ and the claim literals into docs/ (for a commit). Without it a run "
+              "changes no tracked file: it measures and compares with the committed record.")
 @click.option("--force", is_flag=True, help="Re-run dependencies even when their cached outputs are current.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (no progress bar).")
 @click.pass_obj
-def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, force: bool, as_json: bool) -> None:
-    """Run runbook NAME (dependencies first when missing or stale) and record its numbers."""
+def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, record_: bool, force: bool,
+        as_json: bool) -> None:
+    """Run runbook NAME (dependencies first when missing or stale), show what its numbers say and how they compare
+    with the committed record; with --record, record them."""
     root = obj.root
     rb = load(root, name)
     overrides = parse_cli(rb, params)
     here = provenance.detect_profile()
     profile = profile or here
+    check_profile(root, profile)
     if not provenance.runs_here(profile, here):
         raise SpecbookError(f"cannot measure profile {profile} on this machine (it is {here}); "
                             f"`runbook verify --profile {profile}` reports its records")
     t = target(root, name, profile, overrides)
+    _log("will run: " + ", ".join(_plan(t, force)) + ("" if record_ else
+                                                      " (measure only; --record writes baselines/ and docs/)"))
     before = {n: records.load(records.path_for(root, n)) for n in _closure(t)}
-    outcomes = run_target(root, t, record=True, force=force, progress=not as_json, log=_log)
-    for o in outcomes:
-        if o.run_id:
-            _log(f"recorded run {o.run_id} in {records.path_for(root, o.target.rb.name).relative_to(root)}")
-        _log(f"executed notebook: {o.notebook.relative_to(root)}")
-    _refresh_docs(root, [o.target.rb.name for o in outcomes if o.run_id])
+    outcomes = run_target(root, t, record=record_, force=force, progress=not as_json, log=_log)
+    if record_:
+        _refresh_docs(root, [o.target.rb.name for o in outcomes if o.run_id])
     rows = []
     for o in outcomes:
-        prev = before[o.target.rb.name].data["profiles"].get(profile, {}).get("metrics", {})
+        prof = before[o.target.rb.name].data["profiles"].get(profile, {})
         for m in o.execution.metrics:
-            old = prev.get(m.name)
-            change = _change(old, m.value)
-            rows.append({"runbook": o.target.rb.name, "profile": profile, "metric": m.name, "fresh": m.value,
-                         "recorded": old["value"] if old else None, "unit": m.unit, "change": change,
-                         "run": o.run_id, "seconds": round(o.execution.seconds, 2)})
-    text = _table(["runbook", "metric", "fresh", "recorded before", "unit", "vs recorded"],
-                  [[r["runbook"], r["metric"], _num(r["fresh"]), _num(r["recorded"]), r["unit"], r["change"]]
-                   for r in rows]) if rows else f"{name}: ran, recorded no numbers"
-    _emit(as_json, rows, text)
+            old = prof.get("metrics", {}).get(m.name)
+            rows.append({"runbook": o.target.rb.name, "profile": profile, "metric": m.name, "measured": m.value,
+                         "recorded": old["value"] if old else None, "unit": m.unit, "kind": m.kind,
+                         "vs_recorded": _change(old, m.value), "run": o.run_id,
+                         "notebook": str(o.notebook.relative_to(root)) if o.notebook else None,
+                         "seconds": round(o.execution.seconds, 2)})
+    last = outcomes[-1]
+    if as_json:
+        _emit(True, rows, "")
+        return
+    click.echo(_conclusion(root, last, before[name].data["profiles"].get(profile, {}), record_))
+
+
+def _plan(t: Target, force: bool, seen: set[str] | None = None) -> list[str]:
+    """The runbooks a run will execute, dependencies first: those not cached (all with --force), then NAME."""
+    seen = set() if seen is None else seen
+    out = []
+    for dep in t.upstream.values():
+        if dep.rb.name not in seen and (force or not dep.done):
+            out += _plan(dep, force, seen)
+    seen.add(t.rb.name)
+    return out + [f"{t.rb.name} ({t.profile})"]
+
+
+def _conclusion(root: Path, o, prof: dict, recorded: bool) -> str:
+    """What the run says, for a person: the runbook's conclusion sentence, its headline numbers beside the
+    committed record (saying when that record was made on another machine), and where the notebook is."""
+    rb, metrics = o.target.rb, {m.name: m for m in o.execution.metrics}
+    lines = [f"== {rb.name} on {o.target.profile}: {rb.title}"]
+    if rb.conclusion:
+        try:
+            lines.append(rb.conclusion.format(**{k: m.value for k, m in metrics.items()}))
+        except (KeyError, ValueError, IndexError) as e:
+            lines.append(f"(the runbook's conclusion could not be filled: {type(e).__name__} {e})")
+    head = [metrics[n] for n in rb.reproduces if n in metrics] or list(metrics.values())
+    entries = prof.get("metrics", {})
+    table = [[m.name, _num(m.value), _num(entries[m.name]["value"]) if m.name in entries else "-", m.unit,
+              _change(entries.get(m.name), m.value)] for m in head]
+    lines.append(_table(["metric", "measured", "committed record", "unit", "vs record"], table))
+    if entries:
+        run_entry = records.run_of(prof, next(iter(entries.values()))["run"])
+        lines.append(_machine_note(run_entry))
+    where = o.notebook.relative_to(root) if o.notebook else None
+    if where:
+        lines.append(f"executed notebook (plots and tables): {where}")
+    lines.append(f"recorded as run {o.run_id}: commit baselines/ and docs/ on purpose" if recorded and o.run_id else
+                 f"nothing recorded; `runbook run {rb.name} --record` writes these numbers into baselines/")
+    return "\n".join(lines)
+
+
+def _machine_note(run_entry: dict) -> str:
+    """Whether the committed record's timings were measured on this kind of machine."""
+    p = run_entry.get("provenance") or {}
+    then = (p.get("cpu") or {}).get("model")
+    now = provenance.cpu_model()
+    gpus_then, gpus_now = sorted((p.get("gpu") or {}).get("names") or []), sorted(set(provenance.gpus()))
+    date = str(run_entry.get("date", ""))[:10]
+    if then is None and not gpus_then:
+        return f"the committed record ({date}) does not name its CPU: timings may compare across machines"
+    if gpus_then != gpus_now or (not gpus_now and then != now):
+        return (f"the committed record was made on another machine ({', '.join(gpus_then) or then}, {date}; this "
+                f"is {', '.join(gpus_now) or now}): its timings compare across machines, its ratios and exact "
+                "numbers do not depend on that")
+    return f"the committed record was made on this kind of machine ({', '.join(gpus_now) or now}, {date})"
 
 
 def _closure(t: Target) -> set[str]:
@@ -192,15 +269,18 @@ def _refresh_docs(root: Path, ran: list[str]) -> None:
 
 @main.command("verify")
 @click.argument("names", nargs=-1)
-@click.option("--profile", help="Only this profile's records; one other than this machine's is reported as "
-              "not verifiable here.")
-@click.option("--docs", is_flag=True, help="Also check that numbers in docs/ match the records.")
+@click.option("--profile", help="Only this profile's records; one other than this machine's is reported, not "
+              "re-measured.")
+@click.option("--docs", is_flag=True, help="Also check that numbers in docs/ and README.md match the records.")
+@click.option("--all", "show_all", is_flag=True, help="List every number, not only those re-measured here or in "
+              "a failing state.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (no progress bar).")
 @click.pass_obj
 @click.pass_context
-def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str | None, docs: bool,
+def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str | None, docs: bool, show_all: bool,
             as_json: bool) -> None:
-    """Re-run what can run here and compare with the records, within tolerance."""
+    """Re-run what can run here and judge each number against its record: a noisy one (a timing) within its tolerance (derived
+    from the recorded samples, at most 25%), measured twice when it is outside; an exact number exactly."""
     root = obj.root
     here = provenance.detect_profile()
     verdicts = verify(root, here, list(names) or None, profile, progress=not as_json, log=_log)
@@ -208,7 +288,9 @@ def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str |
     problems = [str(p) for p in _check_docs(root)] if docs else []
     if problems and code == 0:
         code = 1
-    text = _table(VERDICT_HEADERS, _verdict_rows(verdicts)) if verdicts else "nothing recorded to verify"
+    shown = verdicts if show_all else [v for v in verdicts if v.measured is not None or v.state in FAILING]
+    text = _table(VERDICT_HEADERS, _verdict_rows(shown)) + "\n" if shown else ""
+    text += summary(verdicts) if verdicts else "nothing recorded to verify"
     text += "".join(f"\ndocs: {p}" for p in problems)
     _emit(as_json, {"profile": here, "verdicts": [v.as_dict() for v in verdicts], "docs": problems,
                     "exit_code": code}, text)
@@ -231,9 +313,10 @@ def _check_docs(root: Path) -> list:
 def status_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], as_json: bool) -> None:
     """Which records are stale against the current code and parameters; runs nothing."""
     verdicts = status(obj.root, list(names) or None)
-    code = 3 if any(v.verdict == FAILED for v in verdicts) else 1 if any(v.verdict == STALE for v in verdicts) else 0
+    code = 3 if any(v.state == FAILED for v in verdicts) else 1 if any(v.state == STALE for v in verdicts) else 0
     _emit(as_json, [v.as_dict() for v in verdicts],
-          _table(VERDICT_HEADERS, _verdict_rows(verdicts)) if verdicts else "no runbooks or records")
+          _table(VERDICT_HEADERS, _verdict_rows(verdicts)) + "\n" + summary(verdicts) if verdicts
+          else "no runbooks or records")
     ctx.exit(code)
 
 

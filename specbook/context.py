@@ -51,7 +51,8 @@ def number_lines(root: Path) -> list[str]:
                             + (f" [{r.verdict}]" if r.verdict != common else "") for r in shown)
         more = f"; +{len(rows) - len(shown)} more" if len(rows) > len(shown) else ""
         latest = max(rows, key=lambda r: r.date)
-        lines.append(f"- {runbook} @ {profile} [{common}] ({latest.source}, {latest.hardware}, {latest.date}): "
+        where = "" if latest.here or latest.source == "reported" else f", {profile.split('.')[0]} only"
+        lines.append(f"- {runbook} @ {profile} [{common}{where}] ({latest.source}, {latest.hardware}, {latest.date}): "
                      f"{metrics}{more}")
     return lines
 
@@ -114,8 +115,9 @@ def build_context(root: Path | str, budget: int = 2000) -> str:
     share, so a long list of numbers cannot crowd out the open decisions; what a section leaves unused carries on."""
     root = Path(root)
     head = ("# specbook context\n"
-            "EAGLE-3 drafter moved from Kimi-K2 to Kimi-K2.5; numbers are records in baselines/ with verdicts "
-            "(fresh = re-run here within tolerance; not verifiable here = other hardware or reported). "
+            "EAGLE-3 drafter moved from Kimi-K2 to Kimi-K2.5; numbers are records in baselines/ with states "
+            "(current = inputs unchanged since recorded; stale = inputs changed; reported = measured by hand "
+            "elsewhere; 'h200 only' = re-measurable only on that hardware; docs/status.md lists every claim). "
             "Before trusting a number: `runbook show NAME`, `runbook env`, `runbook verify NAME`. "
             "Start with AGENTS.md and docs/index.md.\n")
     sections = [

@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -30,6 +31,7 @@ KERNEL = "python3"
 OWN_KERNEL = "specbook-python"  # installed into this venv when python3 would start another interpreter
 DONE = "DONE"  # marker in an outputs dir: the run that produced it finished
 EXECUTED = Path("docs") / "runbooks" / "executed"  # the site renders the notebook behind each record
+LOCAL_EXECUTED = Path(".specbook") / "executed"  # the notebook of a run that recorded nothing (untracked)
 
 
 @dataclass
@@ -98,6 +100,24 @@ class _KnownParameters(logging.Filter):
         return not record.getMessage().startswith("Passed unknown parameter")
 
 
+def _live(rb: Runbook, nb) -> dict[str, Any]:
+    """Progress as the run goes: a line as each section starts (the markdown heading above its cells), and the
+    kernel's stderr - where long work such as training draws its own progress bar - streamed to ours."""
+    sections: dict[int, str] = {}
+    for i, cell in enumerate(nb.cells):
+        m = re.match(r"#+\s*(.+)", cell.source.strip()) if cell.cell_type == "markdown" else None
+        if m and i + 1 < len(nb.cells):
+            sections[i + 1] = m.group(1).strip()
+    start = time.monotonic()
+
+    def on_cell_start(cell, cell_index: int) -> None:
+        if cell_index in sections:
+            print(f"  [{rb.name} {time.monotonic() - start:5.0f}s] {sections[cell_index]}", file=sys.stderr,
+                  flush=True)
+
+    return {"stderr_file": sys.stderr, "on_cell_start": on_cell_start}
+
+
 def execute(root: Path, rb: Runbook, params: dict[str, Any], notebook: Path, progress: bool = True) -> Execution:
     """Run the runbook with `params` injected; the executed notebook is written to `notebook` as it goes."""
     nb = jupytext.read(rb.path, fmt="py:percent")
@@ -119,9 +139,9 @@ def execute(root: Path, rb: Runbook, params: dict[str, Any], notebook: Path, pro
     try:
         with _environ({RECORD_FILE_ENV: str(records)}):
             papermill.execute_notebook(nb, str(notebook), parameters=params, kernel_name=ensure_kernel(),
-                                       language="python", cwd=str(root), progress_bar=progress,
+                                       language="python", cwd=str(root), progress_bar=False,
                                        execution_timeout=rb.cell_timeout, timeout_func=cell_timeout,
-                                       extra_arguments=quiet_kernel)
+                                       extra_arguments=quiet_kernel, **(_live(rb, nb) if progress else {}))
     except PapermillExecutionError as e:
         raise RunFailed(f"runbook {rb.name}: {_cell(rb, nb, e.source)} raised {e.ename}: {e.evalue} {where}") from None
     except CellTimeoutError:
@@ -193,7 +213,7 @@ class Outcome:
     target: Target
     execution: Execution
     run_id: str | None  # None when nothing was recorded (verify, or no metrics)
-    notebook: Path | None  # the executed notebook kept for the site (runs that record)
+    notebook: Path  # the executed notebook: docs/runbooks/executed/ for a run that records, else .specbook/executed/
 
 
 def run(root: Path, t: Target, *, record: bool, force: bool = False, progress: bool = True,
@@ -217,7 +237,7 @@ def run(root: Path, t: Target, *, record: bool, force: bool = False, progress: b
         raise RunFailed(f"runbook {t.rb.name} declares reproduces {missing} but did not record them "
                         f"(notebook: {notebook})")
     run_id = _record(root, t, ex) if record and ex.metrics else None
-    kept = _publish(notebook, root / EXECUTED / f"{t.rb.name}-{t.profile}.ipynb") if record else None
+    kept = _publish(notebook, root / (EXECUTED if record else LOCAL_EXECUTED) / f"{t.rb.name}-{t.profile}.ipynb")
     (t.outputs_dir / DONE).write_text(json.dumps({"run": run_id, "date": now_iso()}) + "\n")
     shutil.rmtree(work)  # only after success: a failed run's error message points into its directory
     ran.add(t.rb.name)

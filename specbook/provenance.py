@@ -184,6 +184,18 @@ def _driver() -> str | None:
     return r.stdout.splitlines()[0].strip() if r.returncode == 0 and r.stdout.strip() else None
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The processor's model name (timings on CPU are facts about it), from /proc/cpuinfo where there is one."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _customize() -> dict[str, dict[str, Any]]:
     """sitecustomize/usercustomize change every Python process silently (the game plan's NCCL tuning hid there)."""
     out = {}
@@ -222,6 +234,7 @@ def fingerprint(root: Path, runbook_source: str | None = None, params: dict | No
         "engine_hash": engine_hash(root, runbook_source),
         "versions": versions(),
         "gpu": {"count": len(names), "names": sorted(set(names)), "driver": _driver() if names else None},
+        "cpu": {"model": cpu_model(), "count": os.cpu_count()},
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
         "sitecustomize": _customize(),
         "platform": platform.platform(),

@@ -20,7 +20,7 @@ import yaml
 
 from specbook import SpecbookError
 from specbook.provenance import sha
-from specbook.record import DIRECTIONS, Metric
+from specbook.record import DIRECTIONS, KINDS, Metric
 
 BASELINES = "baselines"
 SOURCES = ("measured", "reported")
@@ -136,6 +136,8 @@ def _check_metric(m: Any, run_ids: set[str], where: str, bad) -> None:
         raise bad(where, "needs a unit (string)")
     if m.get("direction") not in DIRECTIONS:
         raise bad(where, f"direction must be one of {', '.join(DIRECTIONS)}")
+    if m.get("kind", kind_of(m)) not in KINDS:
+        raise bad(where, f"kind must be one of {', '.join(KINDS)}")
     tol = m.get("tolerance", {})
     if not isinstance(tol, dict) or set(tol) - {"rel", "abs"} or \
             not all(_is_number(v) and v >= 0 for v in tol.values()):
@@ -187,7 +189,7 @@ def add_run(root: Path, name: str, profile: str, run: dict[str, Any], metrics: l
         prof["runs"].append(run)
         for m in metrics:
             history = prof["metrics"].get(m.name, {}).get("history", [])
-            entry: dict[str, Any] = {"value": m.value, "unit": m.unit, "direction": m.direction,
+            entry: dict[str, Any] = {"value": m.value, "unit": m.unit, "direction": m.direction, "kind": m.kind,
                                      "tolerance": {"rel": m.rel_tol, "abs": m.abs_tol}, "run": run["id"]}
             if m.samples:
                 entry["samples"] = m.samples
@@ -198,6 +200,11 @@ def add_run(root: Path, name: str, profile: str, run: dict[str, Any], metrics: l
         validate(rf.data, path)
         save(rf)
     return rf
+
+
+def kind_of(entry: dict[str, Any]) -> str:
+    """noisy or exact; records made before kinds existed: exact when the direction is none."""
+    return entry.get("kind") or ("exact" if entry.get("direction") == "none" else "noisy")
 
 
 def run_of(prof: dict[str, Any], run_id: str) -> dict[str, Any]:

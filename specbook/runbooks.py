@@ -21,7 +21,8 @@ from specbook import RunFailed, SpecbookError
 
 ROOT_ENV = "SPECBOOK_ROOT"
 INJECTED = ("outputs_dir", "upstream")  # set by specbook when the parameters cell declares them
-HEADER_KEYS = {"title", "reproduces", "feeds", "depends", "inputs", "profiles", "timeout", "cell_timeout"}
+HEADER_KEYS = {"title", "reproduces", "feeds", "depends", "inputs", "profiles", "timeout", "cell_timeout",
+               "conclusion"}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict}
 
@@ -51,6 +52,7 @@ class Runbook:
     inputs: list[str] = field(default_factory=list)
     timeout: float = 3600.0
     cell_timeout: float = 600.0
+    conclusion: str = ""  # a sentence with {metric:spec} fields, printed after a run: what the numbers say
 
     @property
     def source(self) -> str:
@@ -115,8 +117,8 @@ def load(root: Path, name: str) -> Runbook:
     header = _header(path, nb)
     params = _parameters(path, nb)
     rb = Runbook(name=name, path=path, title=header["title"], profiles=header["profiles"], parameters=params,
-                 **{k: header[k] for k in ("reproduces", "feeds", "depends", "inputs", "timeout", "cell_timeout")
-                    if k in header})
+                 **{k: header[k] for k in ("reproduces", "feeds", "depends", "inputs", "timeout", "cell_timeout",
+                                           "conclusion") if k in header})
     for profile, overrides in rb.profiles.items():
         for k, v in overrides.items():
             rb.profiles[profile][k] = check_value(rb, k, v, where=f"profile {profile}")
@@ -163,6 +165,8 @@ def _header(path: Path, nb) -> dict[str, Any]:
             profiles[p] = {}
         elif not isinstance(o, dict):
             raise SpecbookError(f"{path}: profile {p} must map parameter names to values")
+    if not isinstance(h.get("conclusion", ""), str):
+        raise SpecbookError(f"{path}: header key conclusion must be a string with {{metric:spec}} fields")
     for key in ("timeout", "cell_timeout"):
         if key in h and (isinstance(h[key], bool) or not isinstance(h[key], (int, float)) or h[key] <= 0):
             raise SpecbookError(f"{path}: header key {key} must be a positive number of seconds")

@@ -16,8 +16,8 @@ from pathlib import Path
 from specbook import claims, records, verify
 from specbook.execute import EXECUTED
 
-VERDICT_ADMONITION = {verify.ELSEWHERE: "info", verify.STALE: "warning", verify.DRIFTED: "danger",
-                      verify.FAILED: "danger"}
+VERDICT_ADMONITION = {verify.REPORTED: "info", verify.STALE: "warning", verify.DRIFTED: "danger",
+                      verify.FLAKY: "danger", verify.FAILED: "danger"}
 
 
 @dataclass
@@ -29,12 +29,13 @@ class Row:
     unit: str
     direction: str
     tolerance: dict
-    verdict: str  # on this machine
-    stale_why: str  # which inputs changed since it was recorded ("" when its inputs hash is current), any profile
+    verdict: str  # specbook.verify's state, from hashes: current, stale, reported, failed
+    stale_why: str  # which inputs changed since it was recorded ("" when its inputs hash is current)
     source: str
     hardware: str
     date: str
     history: list = field(default_factory=list)
+    here: bool = False  # whether this machine can re-measure it
 
     @property
     def inputs_changed(self) -> bool:
@@ -50,30 +51,25 @@ def format_number(value: float) -> str:
     return f"{value:.6g}"
 
 
-def _hardware(profile: str, run: dict) -> str:
-    gpu = (run.get("provenance") or {}).get("gpu") or {}
-    names, count = ", ".join(gpu.get("names") or []), gpu.get("count", 0)
-    return (f"{count}x {names}" if count > 1 else names) if names else profile
-
-
 def _date(value) -> str:
     return records.parse_date(value).strftime("%Y-%m-%d %H:%M") if value else ""
 
 
 def record_rows(root: Path | str) -> list[Row]:
-    """One row per recorded metric of every baselines/*.yaml, with its verdict (from input hashes; nothing runs)."""
+    """One row per recorded metric of every baselines/*.yaml, with its state (from input hashes; nothing runs)."""
     root = Path(root)
-    status = {(v.runbook, v.profile, v.metric): v for v in verify.status(root)}
+    index = verify.index(root)
     rows = []
     for runbook, rf in records.load_all(root).items():
         for profile, prof in rf.data["profiles"].items():
             for name, m in prof["metrics"].items():
                 run = records.run_of(prof, m["run"])
-                v = status.get((runbook, profile, name))
-                hashed = v.verdict if v else verify.UNRECORDED
+                v = index.get(f"{runbook}/{profile}/{name}")
+                state = v.state if v else verify.UNRECORDED
                 rows.append(Row(runbook, profile, name, m["value"], m["unit"], m["direction"], m.get("tolerance") or {},
-                                claims.verdict_here(hashed, profile), v.detail if hashed == verify.STALE else "",
-                                run["source"], _hardware(profile, run), _date(run["date"]), m.get("history") or []))
+                                state, v.inputs if state == verify.STALE else "", run["source"],
+                                verify.hardware(profile, run), _date(run["date"]), m.get("history") or [],
+                                bool(v and v.here)))
     return rows
 
 
@@ -115,10 +111,11 @@ def history_svg(rows: list[Row]) -> str:
 
 
 def _badges(row: Row) -> str:
-    """The verdict here, and for another profile's number whose code changed since, that it is stale there too."""
-    if row.verdict == verify.STALE:
-        return badge(row.verdict, row.stale_why)
-    return badge(row.verdict) + (" " + badge(verify.STALE, row.stale_why) if row.inputs_changed else "")
+    """The state (with the changed inputs on hover when stale), and where it can be re-measured."""
+    where = "" if row.here or row.source == "reported" else " " + badge(f"{row.profile.split('.')[0]} only",
+                                                                        "re-measured only on that hardware")
+    return badge(row.verdict, row.stale_why if row.verdict == verify.STALE else verify.MEANING.get(row.verdict, "")) \
+        + where
 
 
 ARROWS = {"higher": "\u2191", "lower": "\u2193", "none": "="}  # which way is better; "=" any change is drift
@@ -153,10 +150,8 @@ def dashboard(root: Path | str) -> tuple[str, dict[str, str]]:
         out += [f"## {runbook} / {profile}", "",
                 f"**Hardware:** {html.escape(latest.hardware)} &nbsp; **Last recorded:** {latest.date}", ""]
         verdicts = {r.verdict for r in group if r.verdict in VERDICT_ADMONITION}
-        verdicts |= {verify.STALE} if any(r.inputs_changed for r in group) else set()
         for v in sorted(verdicts):
-            why = {verify.ELSEWHERE: "reported from hardware this project cannot reach, or recorded on another "
-                                     "hardware profile",
+            why = {verify.REPORTED: verify.MEANING[verify.REPORTED],
                    verify.STALE: _stale_note(runbook, profile, group)}.get(v, f"re-run `runbook verify {runbook}`")
             out += [f'!!! {VERDICT_ADMONITION[v]} "{v.capitalize()}"', f"    Numbers marked *{v}*: {why}.", ""]
         notebook = EXECUTED / f"{runbook}-{profile}.ipynb"  # where `runbook run` keeps the executed notebook
@@ -168,12 +163,9 @@ def dashboard(root: Path | str) -> tuple[str, dict[str, str]]:
 
 
 def _stale_note(runbook: str, profile: str, group: list[Row]) -> str:
-    """Why a group's numbers are stale, in words: the changed inputs, and for the corpus why that is expected."""
-    reasons = sorted({r.stale_why.removesuffix(" changed since it was recorded") for r in group if r.stale_why})
+    """Why a group's numbers are stale, in words: the changed inputs."""
+    reasons = sorted({r.stale_why.removesuffix(" changed") for r in group if r.stale_why})
     note = f"{'; '.join(reasons)} changed since they were recorded"
-    if any("corpus" in r for r in reasons):
-        note += (" (the corpus is read from the machine that runs the runbook, its Python and packages: a record "
-                 "made on another machine is stale here by design)")
     return note + f"; re-run `runbook run {runbook} --profile {profile}` on that hardware"
 
 

@@ -1,20 +1,45 @@
-"""Verdicts on recorded numbers: fresh, stale, drifted (regression / improvement / changed), not verifiable here,
-failed. `status` compares input hashes only; `verify` re-runs what can run here and compares with tolerance."""
+"""Verdicts on recorded numbers, in one vocabulary for every command, page and agent context.
+
+A recorded number is in exactly one state:
+
+- re-measured by this command: **fresh** (within tolerance), **drifted** (outside it - for a noisy number, on two runs
+  in the same direction), **flaky** (a noisy number's two runs disagree: one inside the tolerance, one outside), **failed**
+  (the runbook could not run);
+- not re-measured: **current** (its inputs - runbook, parameters, engine code, declared inputs, upstream records -
+  hash as when it was recorded), **stale** (they changed since), **reported** (measured by hand on hardware this
+  project cannot reach; there are no inputs to hash).
+
+`where` says whether this machine can re-measure it at all; a number of another hardware profile is never fresh
+here, only current or stale. `status` hashes; `verify` re-runs what this machine can run and judges.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from specbook import RunFailed, SpecbookError, provenance, records
 from specbook.execute import Target, run, target
 from specbook.provenance import canonical, sha
-from specbook.runbooks import discover, load
+from specbook.runbooks import check_name, discover, load
 
-FRESH, STALE, DRIFTED, ELSEWHERE, FAILED, UNRECORDED = (
-    "fresh", "stale", "drifted", "not verifiable here", "failed", "unrecorded")
+FRESH, DRIFTED, FLAKY, FAILED = "fresh", "drifted", "flaky", "failed"
+CURRENT, STALE, REPORTED, UNRECORDED = "current", "stale", "reported", "unrecorded"
+STATES = (FRESH, DRIFTED, FLAKY, FAILED, CURRENT, STALE, REPORTED, UNRECORDED)
+# states that make a documented number untrustworthy here
+FAILING = frozenset({DRIFTED, FLAKY, FAILED, STALE})
+MEANING = {
+    FRESH: "re-measured here within tolerance",
+    DRIFTED: "re-measured here outside tolerance (noisy numbers: on two runs)",
+    FLAKY: "re-measured here twice and the runs disagree",
+    FAILED: "could not be re-measured: the runbook failed or cannot be resolved",
+    CURRENT: "not re-measured by this command; its inputs are unchanged since it was recorded",
+    STALE: "its inputs (code, parameters, upstream) changed since it was recorded: re-record it",
+    REPORTED: "measured by hand on hardware this project cannot reach; never re-run",
+    UNRECORDED: "the runbook has no records yet",
+}
 
 
 @dataclass
@@ -22,22 +47,38 @@ class Verdict:
     runbook: str
     profile: str
     metric: str
-    verdict: str
+    state: str
     recorded: float | None = None
     measured: float | None = None
     unit: str = ""
-    change: str | None = None  # drifted: regression | improvement | changed (direction none)
-    age: str = ""  # how old the recorded number is
+    kind: str = ""  # noisy | exact
+    change: str | None = None  # drifted / flaky: regression | improvement | changed (direction none)
+    here: bool = False  # whether this machine's hardware profile can re-measure it
+    inputs: str = ""  # "unchanged", or which inputs changed since it was recorded
+    date: str = ""  # when it was recorded (ISO)
+    commit: str = ""  # the commit it was recorded at
+    hardware: str = ""  # what it was recorded on
     detail: str = ""
 
+    @property
+    def key(self) -> str:
+        return f"{self.runbook}/{self.profile}/{self.metric}"
+
+    @property
+    def label(self) -> str:
+        """The state as one phrase: `current (h200 only)`, `drifted (regression)`."""
+        extra = self.change or ("" if self.here or self.state in (UNRECORDED, REPORTED) else
+                                f"{provenance.hardware_of(self.profile)} only")
+        return f"{self.state} ({extra})" if extra else self.state
+
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "key": self.key}
 
 
 def exit_code(verdicts: list[Verdict]) -> int:
-    """3 when something failed, else 1 when something drifted, else 0."""
-    kinds = {v.verdict for v in verdicts}
-    return 3 if FAILED in kinds else 1 if DRIFTED in kinds else 0
+    """3 when something failed, else 1 when something drifted or is flaky, else 0."""
+    states = {v.state for v in verdicts}
+    return 3 if FAILED in states else 1 if states & {DRIFTED, FLAKY} else 0
 
 
 def drift(entry: dict[str, Any], value: float) -> str | None:
@@ -61,13 +102,48 @@ def age(date: Any, now: dt.datetime | None = None) -> str:
     return f"{max(int(seconds), 0)}s"
 
 
+def hardware(profile: str, run: dict) -> str:
+    """What a run was measured on, in words: the GPUs it saw, or its profile."""
+    gpu = (run.get("provenance") or {}).get("gpu") or {}
+    names, count = ", ".join(gpu.get("names") or []), gpu.get("count", 0)
+    return (f"{count}x {names}" if count > 1 else names) if names else profile
+
+
+# ------------------------------------------------------------------------------------------------ names, profiles
+
+
+def known_profiles(root: Path) -> set[str]:
+    """Every profile a runbook header declares or a record holds."""
+    out: set[str] = set()
+    for name in discover(root):
+        try:
+            out.update(load(root, name).profiles)
+        except SpecbookError:
+            pass
+    for path in (root / records.BASELINES).glob("*.yaml"):
+        try:
+            out.update(records.load(path).data["profiles"])
+        except SpecbookError:
+            pass
+    return out
+
+
+def check_profile(root: Path, profile: str | None) -> None:
+    if profile is not None and profile not in known_profiles(root):
+        raise SpecbookError(f"unknown profile {profile!r}; known: {', '.join(sorted(known_profiles(root)))}")
+
+
 def _names(root: Path, names: list[str] | None) -> list[str]:
     if names:
         for n in names:
+            check_name(n)
             if not records.path_for(root, n).exists():
                 load(root, n)  # unknown names fail here with suggestions
         return list(names)
     return sorted(set(discover(root)) | {p.stem for p in (root / records.BASELINES).glob("*.yaml")})
+
+
+# ------------------------------------------------------------------------------------------------ hashes only
 
 
 def _current(root: Path, name: str, profile: str, cache: dict) -> Target | Exception:
@@ -87,44 +163,66 @@ def why_stale(t: Target, run: dict[str, Any]) -> str:
     then = {"runbook": p.get("runbook_hash"), "parameters": p.get("params_hash"), "engine": p.get("engine_hash")}
     changed = [k for k in now if now[k] != then[k]]
     changed += [f"input {i}" for i, h in t.inputs.items() if p.get(f"{i}_manifest") != h]
-    return ", ".join(changed or ["upstream"]) + " changed since it was recorded"
+    return ", ".join(changed or ["upstream"]) + " changed"
 
 
-def _static(root: Path, name: str, profile: str, prof: dict, here: str | None, cache: dict) -> list[Verdict]:
-    """Verdicts without running: reported or other-hardware numbers, and fresh/stale by inputs hash."""
+def _static(root: Path, name: str, profile: str, prof: dict, here: str, cache: dict) -> list[Verdict]:
+    """Verdicts without running: reported, current or stale by inputs hash, failed when it cannot be resolved."""
     out = []
+    runs_here = provenance.runs_here(profile, here)
     for mname, entry in prof["metrics"].items():
         r = records.run_of(prof, entry["run"])
-        v = Verdict(name, profile, mname, FRESH, entry["value"], None, entry["unit"], age=age(r["date"]))
+        v = Verdict(name, profile, mname, CURRENT, entry["value"], None, entry["unit"], records.kind_of(entry),
+                    here=runs_here and r["source"] == "measured", inputs="unchanged", date=str(r["date"]),
+                    commit=str((r.get("provenance") or {}).get("git_commit") or "")[:10],
+                    hardware=hardware(profile, r))
         if r["source"] == "reported":
-            v.verdict, v.detail = ELSEWHERE, "reported, never re-run"
-        elif here is not None and not provenance.runs_here(profile, here):
-            v.verdict, v.detail = ELSEWHERE, f"profile {profile}, this machine is {here}"
+            v.state, v.inputs, v.detail = REPORTED, "-", str((r.get("provenance") or {}).get("reported_by", ""))
         else:
             t = _current(root, name, profile, cache)
             if isinstance(t, Exception):
-                v.verdict, v.detail = FAILED, str(t)
+                v.state, v.inputs, v.detail = FAILED, "-", str(t)
             elif t.inputs_hash != r["inputs_hash"]:
-                v.verdict, v.detail = STALE, why_stale(t, r)
+                v.state, v.inputs = STALE, why_stale(t, r)
         out.append(v)
     return out
 
 
-def status(root: Path, names: list[str] | None = None) -> list[Verdict]:
-    """Fresh or stale for every recorded number of every profile; hashes only, nothing runs."""
+def status(root: Path, names: list[str] | None = None, here: str | None = None) -> list[Verdict]:
+    """current / stale / reported / failed for every recorded number of every profile; nothing runs."""
+    here = here or provenance.detect_profile()
     out, cache = [], {}
     for name in _names(root, names):
         rf = records.load(records.path_for(root, name))
         if not rf.data["profiles"]:
             out.append(Verdict(name, "-", "-", UNRECORDED))
         for profile, prof in rf.data["profiles"].items():
-            out += _static(root, name, profile, prof, None, cache)
+            out += _static(root, name, profile, prof, here, cache)
     return out
 
 
+def index(root: Path, here: str | None = None) -> dict[str, Verdict]:
+    """Every recorded number's verdict by key (runbook/profile/metric), from hashes: what claims, the site, the
+    status page and the context pack read. A record file that does not load is skipped here; `status` names it."""
+    here = here or provenance.detect_profile()
+    out, cache = {}, {}
+    for name in _names(root, None):
+        try:
+            rf = records.load(records.path_for(root, name))
+        except SpecbookError:
+            continue
+        for profile, prof in rf.data["profiles"].items():
+            out.update((v.key, v) for v in _static(root, name, profile, prof, here, cache))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ re-measuring
+
+
 def verify(root: Path, here: str, names: list[str] | None = None, profile: str | None = None,
-           progress: bool = True, log=print) -> list[Verdict]:
-    """Re-run every runbook with measured numbers on this machine's profile and compare; report the others."""
+           progress: bool = True, log: Callable[[str], None] = print) -> list[Verdict]:
+    """Re-run every runbook with measured numbers on this machine's profiles and judge; report the others."""
+    check_profile(root, profile)
     out, cache = [], {}
     for name in _names(root, names):
         rf = records.load(records.path_for(root, name))
@@ -132,11 +230,11 @@ def verify(root: Path, here: str, names: list[str] | None = None, profile: str |
             if profile is not None and pname != profile:
                 continue
             static = _static(root, name, pname, prof, here, cache)
-            if not provenance.runs_here(pname, here) or all(v.verdict in (ELSEWHERE, FAILED) for v in static):
+            if not any(v.here for v in static) or all(v.state == FAILED for v in static):
                 out += static
                 continue
             out += _rerun(root, name, pname, prof, static, progress, log)
-        if not rf.data["profiles"] and (profile in (None, here)):
+        if not rf.data["profiles"] and profile in (None, here):
             out.append(Verdict(name, here, "-", UNRECORDED))
     return out
 
@@ -149,63 +247,81 @@ def _rerun(root: Path, name: str, profile: str, prof: dict, static: list[Verdict
            log) -> list[Verdict]:
     try:
         t = target(root, name, profile)
-        measured = _measure(root, t, progress, log)
+        first = _measure(root, t, progress, log)
     except RunFailed as e:
-        return [_with(v, FAILED, str(e)) if v.verdict != ELSEWHERE else v for v in static]
-    now = t.all_inputs()
-    out = []
-    for v in static:
-        if v.verdict == ELSEWHERE:
-            out.append(v)
-        elif v.metric not in measured:
-            out.append(_with(v, FAILED, "the re-run did not record it"))
+        return [_failed(v, str(e)) if v.here else v for v in static]
+    judged = [_judge(v, prof, first) if v.here else v for v in static]
+    again = [v for v in judged if v.state == DRIFTED and v.kind == "noisy"]
+    if again:
+        log(f"{name} ({profile}): {len(again)} noisy number(s) outside tolerance; measuring once more to tell a change "
+            "from a noisy moment")
+        try:
+            second = _measure(root, t, progress, log)
+        except RunFailed as e:
+            for v in again:
+                v.state, v.detail = FLAKY, f"the second run failed ({e})"
         else:
-            v.measured = measured[v.metric]
-            moved = changed_inputs(records.run_of(prof, prof["metrics"][v.metric]["run"]), now)
-            if moved:  # another corpus measures something else: no verdict on the number, only that it is old
-                v.verdict = STALE
-                v.detail = (f"{', '.join(moved)} differs from the recorded run's (another Python or package set): "
-                            "re-record on this machine to verify")
-                out.append(v)
-                continue
-            v.change = drift(prof["metrics"][v.metric], v.measured)
-            out.append(_with(v, DRIFTED, v.change) if v.change else v)
-    _confirm(root, t, prof, [v for v in out if v.verdict == DRIFTED], progress, log)
-    return out
+            for v in again:
+                _confirm(v, prof["metrics"][v.metric], second.get(v.metric))
+    env = environment_changes(records.run_of(prof, next(iter(prof["metrics"].values()))["run"]),
+                              provenance.fingerprint(root, t.rb.hashed_source))
+    if env:
+        note = "environment differs from the recorded run: " + "; ".join(env)
+        for v in judged:
+            if v.here and v.kind == "noisy":
+                v.detail = f"{v.detail}; {note}" if v.detail else note
+    return judged
 
 
-def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], progress: bool, log) -> None:
-    """Timings on shared machines have bad moments: a rate or time (a number with a direction) that drifted is
-    measured once more, and stays drifted only if the second run drifts too. Numbers without a direction (accept
-    length, exact match) are exact, and a second run would only repeat them."""
-    if not any(prof["metrics"][v.metric]["direction"] != "none" for v in drifted):
-        return
-    log(f"{t.rb.name} ({t.profile}): {len(drifted)} number(s) drifted; running it once more to tell a change "
-        "from a noisy moment")
-    try:
-        again = _measure(root, t, progress, log)
-    except RunFailed as e:
-        log(f"{t.rb.name} ({t.profile}): the second run failed ({e}); the first run's verdicts stand")
-        return
-    for v in drifted:
-        second = again.get(v.metric)
-        if second is None:
-            continue
-        if drift(prof["metrics"][v.metric], second):
-            v.detail += f"; a second run drifted too ({second:.6g})"
-        else:
-            first, v.measured, v.change = v.measured, second, None
-            v.verdict, v.detail = FRESH, f"within tolerance on a second run (the first measured {first:.6g})"
-
-
-def changed_inputs(run_entry: dict, now: dict[str, str]) -> list[str]:
-    """Declared inputs (e.g. the corpus, gathered from this machine) whose fingerprint differs from the run's."""
-    prov = run_entry.get("provenance") or {}
-    return [n for n, h in sorted(now.items()) if prov.get(f"{n}_manifest") not in (None, h)]
-
-
-def _with(v: Verdict, verdict: str, detail: str) -> Verdict:
-    # a stale record that also drifted says both
-    stale = f"; {v.detail}" if v.verdict == STALE else ""
-    v.verdict, v.detail = verdict, detail + stale
+def _judge(v: Verdict, prof: dict, measured: dict[str, float]) -> Verdict:
+    if v.metric not in measured:
+        return _failed(v, "the re-run did not record it")
+    v.measured = measured[v.metric]
+    v.change = drift(prof["metrics"][v.metric], v.measured)
+    v.state = DRIFTED if v.change else FRESH
+    if v.change:
+        v.detail = f"measured {v.measured:.6g}, recorded {v.recorded:.6g}"
     return v
+
+
+def _confirm(v: Verdict, entry: dict, second: float | None) -> None:
+    """A noisy number outside its tolerance stays drifted only if a second run drifts the same way; runs that disagree
+    are flaky, which fails as drift does: disagreement says the number cannot be trusted either way."""
+    if second is None:
+        v.state, v.detail = FAILED, "the second run did not record it"
+        return
+    again = drift(entry, second)
+    if again == v.change:
+        v.detail = f"measured {v.measured:.6g} then {second:.6g}, recorded {v.recorded:.6g}"
+        v.measured = second
+        return
+    v.state = FLAKY
+    v.detail = (f"first run {v.measured:.6g} ({v.change}), second {second:.6g} "
+                f"({again or 'within tolerance'}), recorded {v.recorded:.6g}")
+    v.measured = second
+
+
+def _failed(v: Verdict, detail: str) -> Verdict:
+    v.state, v.detail, v.change = FAILED, detail, None
+    return v
+
+
+def environment_changes(run_entry: dict, now: dict[str, Any]) -> list[str]:
+    """What differs in the performance-relevant environment between a recorded run and now: package versions,
+    NCCL_*/CUDA_*/... variables, sitecustomize/usercustomize (the game plan's team hid NCCL tuning there)."""
+    then = run_entry.get("provenance") or {}
+    out = []
+    for k in sorted(set(then.get("versions", {})) | set(now.get("versions", {}))):
+        a, b = then.get("versions", {}).get(k), now.get("versions", {}).get(k)
+        if a != b and k != "engine":
+            out.append(f"{k} {a} -> {b}")
+    env_then, env_now = then.get("env", {}) or {}, now.get("env", {}) or {}
+    for k in sorted(set(env_then) | set(env_now)):
+        if env_then.get(k) != env_now.get(k):
+            out.append(f"{k}={env_then.get(k, '(unset)')} -> {env_now.get(k, '(unset)')}")
+    for mod, s in (now.get("sitecustomize") or {}).items():
+        before = (then.get("sitecustomize") or {}).get(mod) or {}
+        if (s.get("hash"), s.get("active")) != (before.get("hash"), before.get("active")):
+            out.append(f"{mod} {'active' if s.get('active') else 'inactive'} at {s.get('path')} "
+                       f"(recorded: {'active' if before.get('active') else 'inactive'})")
+    return out

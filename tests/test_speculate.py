@@ -314,7 +314,7 @@ def test_mla_moe_target_through_the_model_interface(topk, n):
 
 
 def test_cycle_stats_for_baseline_and_speculation():
-    from engine.speculate import cycle_stats
+    from engine.timing import cycle_stats
 
     t = bigram_target(1.0)
     ps = prompts(2)
