@@ -16,6 +16,10 @@ here, only current or stale. `status` hashes; `verify` re-runs what this machine
 from __future__ import annotations
 
 import datetime as dt
+import io
+import shutil
+import subprocess
+import tarfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -253,16 +257,7 @@ def _rerun(root: Path, name: str, profile: str, prof: dict, static: list[Verdict
     judged = [_judge(v, prof, first) if v.here else v for v in static]
     again = [v for v in judged if v.state == DRIFTED and v.kind == "noisy"]
     if again:
-        log(f"{name} ({profile}): {len(again)} noisy number(s) outside tolerance; measuring once more to tell a change "
-            "from a noisy moment")
-        try:
-            second = _measure(root, t, progress, log)
-        except RunFailed as e:
-            for v in again:
-                v.state, v.detail = FLAKY, f"the second run failed ({e})"
-        else:
-            for v in again:
-                _confirm(v, prof["metrics"][v.metric], second.get(v.metric))
+        _confirm(root, t, prof, again, progress, log)
     env = environment_changes(records.run_of(prof, next(iter(prof["metrics"].values()))["run"]),
                               provenance.fingerprint(root, t.rb.hashed_source))
     if env:
@@ -284,21 +279,97 @@ def _judge(v: Verdict, prof: dict, measured: dict[str, float]) -> Verdict:
     return v
 
 
-def _confirm(v: Verdict, entry: dict, second: float | None) -> None:
-    """A noisy number outside its tolerance stays drifted only if a second run drifts the same way; runs that disagree
-    are flaky, which fails as drift does: disagreement says the number cannot be trusted either way."""
-    if second is None:
-        v.state, v.detail = FAILED, "the second run did not record it"
+def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], progress: bool, log) -> None:
+    """Noisy numbers outside their tolerance are measured again, interleaved against the engine they were recorded
+    with (as asv's continuous mode compares two commits): the recorded commit's tree (A) and this one (B), A B A B,
+    on this machine now. Each pair's ratio B/A is judged against the number's tolerance: both pairs outside in the
+    same direction -> drifted; both inside -> fresh (the machine, not the code, moved: its factor is noted); pairs
+    that disagree -> flaky. Without the recorded commit (no git history) B runs once more against the record."""
+    name, profile = t.rb.name, t.profile
+    commit = (records.run_of(prof, prof["metrics"][drifted[0].metric]["run"]).get("provenance") or {}).get("git_commit")
+    a_root = baseline_tree(root, commit)
+    if a_root is None:
+        log(f"{name} ({profile}): {len(drifted)} noisy number(s) outside tolerance; no recorded commit to compare "
+            "against, measuring once more")
+        pairs = [(None, _measure_or_none(root, t, progress, log))]
+    else:
+        log(f"{name} ({profile}): {len(drifted)} noisy number(s) outside tolerance; measuring against the recorded "
+            f"commit {commit[:10]}, interleaved (A B A B)")
+        try:
+            ta = target(a_root, name, profile)
+        except SpecbookError as e:
+            log(f"{name} ({profile}): the recorded commit cannot run it ({e}); measuring once more instead")
+            ta = None
+        pairs = [(_measure_or_none(a_root, ta, progress, log) if ta else None, _measure_or_none(root, t, progress, log))
+                 for _ in range(2 if ta else 1)]
+    for v in drifted:
+        _rejudge(v, prof["metrics"][v.metric], pairs)
+
+
+def _measure_or_none(root: Path, t: Target, progress: bool, log) -> dict[str, float] | None:
+    try:
+        return _measure(root, t, progress, log)
+    except RunFailed as e:
+        log(f"{t.rb.name} ({t.profile}): a confirming run failed: {e}")
+        return None
+
+
+def _rejudge(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None]]) -> None:
+    """The verdict of one drifted noisy number from its confirming runs (see _confirm)."""
+    if any(b is None or v.metric not in b for _, b in pairs):
+        v.state, v.detail = FLAKY, "a confirming run failed or did not record it"
         return
-    again = drift(entry, second)
-    if again == v.change:
-        v.detail = f"measured {v.measured:.6g} then {second:.6g}, recorded {v.recorded:.6g}"
+    if pairs[0][0] is None:  # no baseline tree: a second run against the record
+        second = pairs[0][1][v.metric]
+        again = drift(entry, second)
+        if again == v.change:
+            v.detail = f"measured {v.measured:.6g} then {second:.6g}, recorded {v.recorded:.6g}"
+        else:
+            v.state = FLAKY
+            v.detail = (f"first run {v.measured:.6g} ({v.change}), second {second:.6g} "
+                        f"({again or 'within tolerance'}), recorded {v.recorded:.6g}")
         v.measured = second
         return
-    v.state = FLAKY
-    v.detail = (f"first run {v.measured:.6g} ({v.change}), second {second:.6g} "
-                f"({again or 'within tolerance'}), recorded {v.recorded:.6g}")
-    v.measured = second
+    if any(v.metric not in a for a, _ in pairs):
+        v.state, v.detail = FLAKY, "the recorded commit's runbook does not record it; cannot compare"
+        return
+    ratios = [b[v.metric] / a[v.metric] if a[v.metric] else float("inf") for a, b in pairs]
+    reference = {"value": 1.0, "direction": entry["direction"], "tolerance": {"rel": entry["tolerance"]["rel"]}}
+    changes = [drift(reference, r) for r in ratios]
+    machine = sum(a[v.metric] for a, _ in pairs) / len(pairs) / v.recorded if v.recorded else float("nan")
+    v.measured = sum(b[v.metric] for _, b in pairs) / len(pairs)
+    v.detail = (f"this engine / recorded engine, interleaved: {', '.join(f'{r:.3g}' for r in ratios)}; the "
+                f"recorded engine measures {machine:.3g}x its record on this machine now")
+    if all(c is None for c in changes):
+        v.state, v.change = FRESH, None
+    elif len(set(changes)) == 1:
+        v.state, v.change = DRIFTED, changes[0]
+    else:
+        v.state, v.change = FLAKY, next(c for c in changes if c)
+
+
+def baseline_tree(root: Path, commit: str | None) -> Path | None:
+    """The repository at `commit`, extracted once under .specbook/ab/ (its outputs shared with this tree's, so
+    dependencies whose inputs are unchanged are not rebuilt); None without git or that commit."""
+    if not commit:
+        return None
+    dest = root / ".specbook" / "ab" / commit[:12]
+    if (dest / "runbooks").is_dir():
+        return dest
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", "--format=tar", commit], cwd=root, capture_output=True)
+    if archive.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return None
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(tmp, filter="data")
+    (tmp / ".specbook").mkdir()
+    (root / ".specbook" / "outputs").mkdir(parents=True, exist_ok=True)
+    (tmp / ".specbook" / "outputs").symlink_to((root / ".specbook" / "outputs").resolve())
+    tmp.rename(dest)
+    return dest
 
 
 def _failed(v: Verdict, detail: str) -> Verdict:
