@@ -12,6 +12,7 @@ length) must stand in a claim; numbers that come from elsewhere (a paper, a goal
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import os
 import re
@@ -26,7 +27,7 @@ from specbook import SpecbookError, records, verify
 
 FRONT_MATTER_KEYS = ("title", "status", "updated", "runbooks", "records")
 # Pages the site generates at build time (specbook.site): links to them are not broken.
-GENERATED_PAGES = frozenset({"dashboard.md", "llms.txt", "llms-full.txt"})
+GENERATED_PAGES = frozenset({"dashboard.md"})
 # States that make a documented number untrustworthy; "current" on another profile is shown, not failed.
 FAILING_VERDICTS = verify.FAILING
 
@@ -36,7 +37,9 @@ CLAIM_RE = re.compile(
     r"(?P<literal>[^<\n]*)<!--\s*/claim\s*-->"
 )
 CITE_RE = re.compile(r"<!--\s*cite:\s*(?P<source>[^>\n]*\S)\s*-->(?P<text>[^<\n]*)<!--\s*/cite\s*-->")
-ANY_MARKER_RE = re.compile(r"<!--\s*/?\s*(?:claim|cite)\b")
+CHECK_RE = re.compile(r"<!--\s*check:\s*(?P<expr>[^\n]*?\S)\s*-->(?P<text>[^<\n]*)<!--\s*/check\s*-->")
+ANY_MARKER_RE = re.compile(r"<!--\s*/?\s*(?:claim|cite|check)\b")
+KEY_RE = re.compile(rf"(?<![\w/.-])({KEY})/({KEY})/({KEY})(?![\w/])")
 FENCE_RE = re.compile(r"^(\s*)(```|~~~).*?^\1\2[^\n]*$", re.M | re.S)
 INLINE_CODE_RE = re.compile(r"`[^`\n]+`")
 COMMENT_RE = re.compile(r"<!--.*?-->", re.S)
@@ -44,11 +47,16 @@ LINK_RE = re.compile(r"!?\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)"
 
 NUM = r"(?<![\w.-])\d+(?:\.\d+)?(?:\s*[-\u2013]\s*\d+(?:\.\d+)?)?"
 MEASURED_RES = (
-    (re.compile(rf"{NUM}\s*(?:tok/s|tokens?/s|tokens per second|ms|\u00b5s|us|[GT]B/s)(?![\w/])"), "a rate or time"),
+    (re.compile(rf"{NUM}\s*(?:tok/s|tokens?/s|tokens per second|ms|\u00b5s|us|[GTMK]i?B/s|[GTM]i?B|"
+                rf"s|sec|seconds?|min|minutes?|h|hours?)(?![\w/])"), "a rate, size or time"),
     (re.compile(rf"{NUM}\s*[x\u00d7](?![\w-])(?!\s*[A-Z])"), "a speedup"),
-    (re.compile(rf"{NUM}\s*%\s*(?:slower|faster|speedup|regression)"), "a relative speed"),
+    (re.compile(rf"{NUM}\s*[x\u00d7]?\s*(?:slower|faster)\b"), "a relative speed"),
+    (re.compile(rf"{NUM}\s*%"), "a percentage"),
     (re.compile(rf"(?i:accept(?:ance)?[ _-]len(?:gth)?s?|\btau\b|\u03c4)[^.\d\n]{{0,24}}{NUM}"), "an accept length"),
 )
+# a comparison between measured numbers stated in words: it must stand in a <!-- check: EXPR --> marker
+COMPARISON_RE = re.compile(r"(?i)\b(?:faster|slower|gains? (?:less|more)|beats|outperforms?|(?:more|less|fewer) than|"
+                           r"(?:higher|lower|better|worse) than)\b")
 
 
 @dataclass(frozen=True)
@@ -173,7 +181,7 @@ def parse_claims(text: str, file: str) -> tuple[list[Claim], list[Problem]]:
             continue
         claims.append(Claim(file, line, m.start("literal"), m.end("literal"), m.span(), m.group("runbook"),
                             m.group("profile"), m.group("metric"), fmt, m.group("literal")))
-    covered += [(m.start(), m.end()) for m in CITE_RE.finditer(masked)]
+    covered += [(m.start(), m.end()) for rx in (CITE_RE, CHECK_RE) for m in rx.finditer(masked)]
     for m in ANY_MARKER_RE.finditer(masked):
         if not any(a <= m.start() < b for a, b in covered):
             problems.append(Problem(file, _line_of(text, m.start()),
@@ -190,6 +198,29 @@ def doc_files(root: Path) -> list[Path]:
     root = Path(root)
     files = sorted(p for p in (root / "docs").rglob("*.md") if "executed" not in p.relative_to(root).parts)
     return files + [p for p in [root / "AGENTS.md"] if p.is_file()]
+
+
+def extra_files(root: Path) -> list[Path]:
+    """Markdown outside docs/ whose numbers are checked too (README.md), without front matter or site rules."""
+    return [p for p in [Path(root) / "README.md"] if p.is_file()]
+
+
+def _check_front_matter_records(root: Path, text: str, file: str) -> list[Problem]:
+    """Front matter `records:` names record files that exist and that the page quotes; `runbooks:` runbooks that
+    exist."""
+    data, _ = split_front_matter(text)
+    if not data:
+        return []
+    quoted = {c.runbook for c in parse_claims(text, file)[0]}
+    out = []
+    for name in data.get("records") or []:
+        if not records.path_for(root, str(name)).is_file():
+            out.append(Problem(file, 2, f"front matter records: {name} has no baselines/{name}.yaml"))
+        elif name not in quoted:
+            out.append(Problem(file, 2, f"front matter records: {name} is listed but no claim on the page quotes it"))
+    out += [Problem(file, 2, f"front matter runbooks: no runbooks/{n}.py") for n in data.get("runbooks") or []
+            if not (root / "runbooks" / f"{n}.py").is_file()]
+    return out
 
 
 def _check_front_matter(text: str, file: str) -> list[Problem]:
@@ -220,7 +251,10 @@ def _check_links(text: str, path: Path, root: Path, file: str) -> list[Problem]:
 
 def _check_numbers(text: str, file: str) -> list[Problem]:
     masked = COMMENT_RE.sub(lambda m: re.sub(r"[^\n]", " ", m.group()), _masked_markers(text))
-    problems = []
+    problems = [Problem(file, _line_of(text, m.start()),
+                        f"{m.group()!r} compares in words: state it as <!-- check: RUNBOOK/PROFILE/METRIC < ... -->"
+                        "TEXT<!-- /check --> so the comparison is checked against the records")
+                for m in COMPARISON_RE.finditer(masked)]
     for rx, what in MEASURED_RES:
         for m in rx.finditer(masked):
             problems.append(Problem(file, _line_of(text, m.start()),
@@ -231,7 +265,7 @@ def _check_numbers(text: str, file: str) -> list[Problem]:
 
 def _masked_markers(text: str) -> str:
     masked = prose_mask(text)
-    for rx in (CLAIM_RE, CITE_RE):
+    for rx in (CLAIM_RE, CITE_RE, CHECK_RE):
         for m in rx.finditer(masked):
             masked = _blank(masked, m.start(), m.end())
     return masked
@@ -252,15 +286,59 @@ def check_claim(root: Path, claim: Claim, cache: dict) -> list[Problem]:
     return []
 
 
+def evaluate_check(root: Path, expr: str, cache: dict) -> bool:
+    """A check marker's expression over record values (RUNBOOK/PROFILE/METRIC), numbers, + - * /, comparisons,
+    and/or/not, abs/min/max; raises DocsError for anything else or a missing record."""
+    values: dict[str, float] = {}
+
+    def name_of(m: re.Match) -> str:
+        metric = find_metric(root, m.group(1), m.group(2), m.group(3), cache)
+        if metric is None:
+            raise DocsError(f"check {expr!r}: no record {m.group()}")
+        key = f"_v{len(values)}"
+        values[key] = metric["value"]
+        return key
+
+    source = KEY_RE.sub(name_of, expr)
+    try:
+        tree = ast.parse(source, mode="eval")
+    except SyntaxError:
+        raise DocsError(f"check {expr!r}: not an expression") from None
+    allowed = (ast.Expression, ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Compare, ast.Name, ast.Load, ast.Constant,
+               ast.Call, ast.operator, ast.unaryop, ast.cmpop, ast.boolop)
+    for node in ast.walk(tree):
+        if not isinstance(node, allowed) or isinstance(node, ast.Call) and not (
+                isinstance(node.func, ast.Name) and node.func.id in ("abs", "min", "max")) or \
+                isinstance(node, ast.Name) and node.id not in values and node.id not in ("abs", "min", "max"):
+            raise DocsError(f"check {expr!r}: only record keys, numbers, arithmetic, comparisons, abs/min/max")
+    return bool(eval(compile(tree, "<check>", "eval"), {"__builtins__": {}, "abs": abs, "min": min, "max": max},
+                     values))
+
+
+def _check_checks(root: Path, text: str, file: str, cache: dict) -> list[Problem]:
+    out = []
+    for m in CHECK_RE.finditer(prose_mask(text)):
+        line = _line_of(text, m.start())
+        try:
+            if not evaluate_check(root, m.group("expr"), cache):
+                out.append(Problem(file, line, f"check {m.group('expr')!r} is false for the records: the text "
+                                               f"{m.group('text').strip()!r} no longer holds"))
+        except (DocsError, SpecbookError) as e:
+            out.append(Problem(file, line, str(e)))
+    return out
+
+
 def check_docs(root: Path | str) -> list[Problem]:
-    """Every problem of the docs, each with file and line; empty when the docs are true."""
+    """Every problem of the docs (and README.md), each with file and line; empty when the docs are true."""
     root = Path(root)
     problems, cache = [], {}
-    for path in doc_files(root):
+    for path in [*doc_files(root), *extra_files(root)]:
         file = path.relative_to(root).as_posix()
         text = path.read_text()
-        if path.parent != root:  # AGENTS.md is not a site page
+        if path.parent != root:  # AGENTS.md and README.md are not site pages
             problems += _check_front_matter(text, file)
+            problems += _check_front_matter_records(root, text, file)
+        problems += _check_checks(root, text, file, cache)
         claims, bad = parse_claims(text, file)
         problems += bad
         for claim in claims:
