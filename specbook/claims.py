@@ -28,6 +28,8 @@ from specbook import SpecbookError, records, verify
 FRONT_MATTER_KEYS = ("title", "status", "updated", "runbooks", "records")
 # Pages the site generates at build time (specbook.site): links to them are not broken.
 GENERATED_PAGES = frozenset({"dashboard.md"})
+# Pages `runbook site` writes and commits (specbook.site.generated): made from the claims, not read for them.
+GENERATED_FILES = frozenset({"docs/status.md"})
 # States that make a documented number untrustworthy; "current" on another profile is shown, not failed.
 FAILING_VERDICTS = verify.FAILING
 
@@ -196,7 +198,8 @@ def parse_claims(text: str, file: str) -> tuple[list[Claim], list[Problem]]:
 def doc_files(root: Path) -> list[Path]:
     """Markdown that agents and the site read: docs/**/*.md and AGENTS.md (executed notebooks excluded)."""
     root = Path(root)
-    files = sorted(p for p in (root / "docs").rglob("*.md") if "executed" not in p.relative_to(root).parts)
+    files = sorted(p for p in (root / "docs").rglob("*.md") if "executed" not in p.relative_to(root).parts
+                   and p.relative_to(root).as_posix() not in GENERATED_FILES)
     return files + [p for p in [root / "AGENTS.md"] if p.is_file()]
 
 

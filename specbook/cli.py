@@ -177,6 +177,10 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, recor
     outcomes = run_target(root, t, record=record_, force=force, progress=not as_json, log=_log)
     if record_:
         _refresh_docs(root, [o.target.rb.name for o in outcomes if o.run_id])
+        from specbook.site import write_generated
+
+        for path in write_generated(root):
+            _log(f"updated {path.relative_to(root)}")
     rows = []
     for o in outcomes:
         prof = before[o.target.rb.name].data["profiles"].get(profile, {})
@@ -258,10 +262,8 @@ def _change(old: dict | None, value: float) -> str:
 
 
 def _refresh_docs(root: Path, ran: list[str]) -> None:
-    try:
-        from specbook.claims import refresh_docs
-    except ImportError:  # the docs layer is optional for running
-        return
+    from specbook.claims import refresh_docs
+
     if ran:
         for path in refresh_docs(root, ran):
             _log(f"updated {Path(path).relative_to(root) if Path(path).is_absolute() else path}")
@@ -298,11 +300,29 @@ def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str |
 
 
 def _check_docs(root: Path) -> list:
-    try:
-        from specbook.claims import check_docs
-    except ImportError:
-        raise SpecbookError("--docs needs specbook.claims, which is not installed") from None
-    return check_docs(root)
+    from specbook.claims import check_docs
+    from specbook.site import out_of_date
+
+    return [*check_docs(root), *(f"{p.relative_to(root)}: out of date; run `runbook site`" for p in out_of_date(root))]
+
+
+@main.command("site")
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 when a generated file is out of date.")
+@click.pass_obj
+@click.pass_context
+def site_(ctx: click.Context, obj: Ctx, check: bool) -> None:
+    """Write the committed generated files: docs/status.md (every documented number with its state), docs/llms.txt
+    and docs/llms-full.txt (the docs for agents). `runbook run --record` does this too."""
+    from specbook import site
+
+    root = obj.root
+    if check:
+        stale = site.out_of_date(root)
+        for p in stale:
+            click.echo(f"{p.relative_to(root)}: out of date; run `runbook site`")
+        ctx.exit(1 if stale else 0)
+    changed = site.write_generated(root)
+    click.echo("\n".join(f"wrote {p.relative_to(root)}" for p in changed) or "generated files are up to date")
 
 
 @main.command("status")

@@ -235,7 +235,8 @@ def status_page(root: Path | str) -> str:
         rel = path.relative_to(root).as_posix()
         for c in claims.parse_claims(path.read_text(), rel)[0]:
             v = index.get(c.key)
-            link = f"[{rel}:{c.line}]({os.path.relpath(root / rel, (root / STATUS_PAGE).parent)})"
+            link = (f"[{rel}:{c.line}]({os.path.relpath(root / rel, (root / STATUS_PAGE).parent)})"
+                    if rel.startswith("docs/") else f"`{rel}:{c.line}`")
             if v is None:
                 rows.append(f"| `{c.key}` | {link} | {c.literal} | | unrecorded | | |")
                 continue
@@ -311,6 +312,9 @@ def on_page_markdown(markdown, page, config, files):
             flagged.setdefault(verdict, set()).add(f"{c.runbook}/{c.profile}")
         title = html.escape(f"{c.key}: {verdict}")
         edits.append((*c.marker, f'<span class="claim" title="{title}">{c.literal}</span>'))
+    for m in claims.CHECK_RE.finditer(claims.prose_mask(markdown)):
+        edits.append((m.start(), m.end(), f'<span class="check" title="checked: {html.escape(m.group("expr"))}">'
+                                          f'{markdown[m.start("text"):m.end("text")]}</span>'))
     for m in claims.CITE_RE.finditer(claims.prose_mask(markdown)):
         edits.append((m.start(), m.end(), f'<span class="cite" title="{html.escape(m.group("source"))}">'
                                           f'{markdown[m.start("text"):m.end("text")]}</span>'))
