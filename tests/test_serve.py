@@ -35,7 +35,7 @@ def post(url, path, body, **kw):
 
 
 def metric(url, name):
-    for line in httpx.get(url + "/metrics").text.splitlines():
+    for line in httpx.get(url + "/metrics", headers=AUTH).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not in /metrics")
