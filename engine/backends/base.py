@@ -43,7 +43,8 @@ class LaunchConfig:
     cuda_graph_max_bs: int | None = None
     host: str = "127.0.0.1"
     port: int = 30000
-    trust_remote_code: bool = True
+    # Opt-in: the flag lets the server run Python shipped with the checkpoint (modeling / tokenizer code).
+    trust_remote_code: bool = False
     api_key: str | None = None
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)  # NCCL_* and friends, added to this process's environment

@@ -3,6 +3,7 @@ this command)."""
 from __future__ import annotations
 
 import ipaddress
+import os
 import sys
 from typing import Any
 
@@ -60,6 +61,8 @@ def serve_command(host: str, port: int, api_key: str | None, model_name: str, ma
     from engine.serve.config import ServeConfig
     from engine.serve.launch import uvicorn_config
 
+    if api_key is None and os.environ.get("SPECBOOK_API_KEY") == "":  # click reads an empty variable as unset
+        fail("SPECBOOK_API_KEY is set but empty: set a key, or unset it to serve without authentication")
     try:  # the server's own options first: a typo should not cost a model load
         cfg = ServeConfig(model_name=model_name, api_key=api_key, max_body_bytes=max_body_bytes,
                           max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
