@@ -77,6 +77,8 @@ def test_empty_api_key_is_refused(monkeypatch, args, env):
     assert len(res.stderr.strip().splitlines()) == 1 and "empty" in res.stderr
     with pytest.raises(EngineError, match="empty"):
         ServeConfig(api_key="")
+    with pytest.raises(EngineError, match="empty"):  # SGLang and vLLM would drop the flag and serve openly
+        LaunchConfig(model="/m", api_key="")
 
 
 # ----------------------------------------------------------------------------- 8: slow and stalled clients

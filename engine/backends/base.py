@@ -51,6 +51,10 @@ class LaunchConfig:
     python: str = "python"
     startup_timeout_s: float = 1800.0  # loading a 1T-parameter checkpoint on eight GPUs takes many minutes
 
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():  # the servers would run without authentication
+            raise EngineError("the API key must not be empty (leave it out to serve without authentication)")
+
 
 class ServerProcess:
     """Start a server command in its own process group, wait until /health answers 200, stop it."""
