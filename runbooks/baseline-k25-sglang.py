@@ -51,6 +51,7 @@ cuda_graph_max_bs: int | None = None
 port = 30000
 nccl_env: dict = {}  # e.g. {"NCCL_P2P_LEVEL": "SYS"}: passed to the server process, recorded with the run
 extra_args: list = []  # more server flags, e.g. ["--mem-fraction-static", "0.85"]
+trust_remote_code = True  # sglang / vllm run the Python shipped with the K2.5 checkpoint (its tokenizer needs it)
 # backend=http only: servers already running, without and with the drafter
 baseline_url = "http://127.0.0.1:30000"
 eagle3_url = "http://127.0.0.1:30001"
@@ -78,7 +79,8 @@ if backend in SERVERS and importlib.util.find_spec(backend) is None:
 base_cfg = LaunchConfig(model=target, spec=SpecSettings(steps=steps, topk=topk, draft_tokens=draft_tokens), tp=tp,
                         cuda_graphs=cuda_graphs, cuda_graph_max_bs=cuda_graph_max_bs, port=port,
                         env={k: str(v) for k, v in nccl_env.items()}, extra_args=tuple(extra_args),
-                        python=sys.executable, startup_timeout_s=startup_timeout_s)
+                        trust_remote_code=trust_remote_code, python=sys.executable,
+                        startup_timeout_s=startup_timeout_s)
 out = Path(outputs_dir) if outputs_dir else None
 
 

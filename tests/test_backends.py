@@ -11,7 +11,7 @@ from engine.backends.client import RequestResult, summarize
 from engine.errors import EngineError
 
 GAME_PLAN = LaunchConfig(model="/models/Kimi-K2.5-INT4", drafter="/models/k25-eagle3", tp=8, port=30000,
-                         spec=SpecSettings(steps=2, topk=1, draft_tokens=3))
+                         spec=SpecSettings(steps=2, topk=1, draft_tokens=3), trust_remote_code=True)
 
 
 def test_sglang_command_game_plan():
@@ -24,7 +24,7 @@ def test_sglang_command_game_plan():
 
 
 def test_sglang_command_baseline_without_graphs():
-    cfg = LaunchConfig(model="/m", tp=2, cuda_graphs=False, trust_remote_code=False, api_key="k",
+    cfg = LaunchConfig(model="/m", tp=2, cuda_graphs=False, api_key="k",
                        extra_args=("--mem-fraction-static", "0.85"))
     assert sglang.SGLangServer(cfg).command() == [
         "python", "-m", "sglang.launch_server", "--model-path", "/m", "--tp-size", "2", "--host", "127.0.0.1",

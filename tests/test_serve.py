@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from engine.backends.client import run_benchmark
+from engine.errors import EngineError
 from engine.runtime import Engine
 from engine.serve import Detokenizer, ServeConfig, compile_chat_template, create_app, load_chat_template, \
     render_chat, serve_command, serve_in_thread
@@ -35,7 +36,7 @@ def post(url, path, body, **kw):
 
 
 def metric(url, name):
-    for line in httpx.get(url + "/metrics").text.splitlines():
+    for line in httpx.get(url + "/metrics", headers=AUTH).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not in /metrics")
@@ -137,6 +138,61 @@ def test_detokenizer_waits_for_whole_characters():
     assert d.add([0xA9, ord("!")]) == ("é!", False)
     assert d.add([0xE2, 0x82]) == ("", False)  # two of the three bytes of "€", then the answer ends
     assert d.flush() == "\ufffd"
+
+
+@pytest.fixture(scope="module")
+def tokenized(tmp_path_factory):
+    """The tiny random-weight target with a real byte-level BPE tokenizer (trained on ASCII text, so that accented
+    characters, the euro sign and emoji span several tokens)."""
+    from engine.loading import random_model, save_model
+    from engine.train.tokenizer import save_tokenizer, train_tokenizer
+
+    d = tmp_path_factory.mktemp("tokenized")
+    save_model(random_model("tiny"), d)
+    save_tokenizer(train_tokenizer(["the quick brown fox jumps over the lazy dog"] * 20, vocab_size=300), d)
+    return Engine.load(target=str(d), device="cpu", dtype="float32", max_seq_len=128, cuda_graphs=False)
+
+
+def test_detokenizer_streams_a_tokenizer_as_it_decodes(tokenized):
+    tok = tokenized.tokenizer
+    ids = tok.encode("the café costs 5 € 👍 over the dog").ids
+    d = Detokenizer.for_engine(tokenized, [])
+    pieces = [d.add([i])[0] for i in ids] + [d.flush()]
+    assert "".join(pieces) == tok.decode(ids) == "the café costs 5 € 👍 over the dog"
+    assert "" in pieces[:-1]  # a character split over tokens waits for its last byte
+    stopped = Detokenizer.for_engine(tokenized, ["€"])
+    out = [stopped.add([i]) for i in ids]
+    assert "".join(t for t, _ in out) == "the café costs 5 " and out[-1][1]
+
+
+def test_served_text_with_a_tokenizer_matches_decode(tokenized):
+    want = tokenized.decode(tokenized.generate(tokenized.encode("the fox"), 40).token_ids)
+    with serve_in_thread(create_app(tokenized)) as base:
+        body = {"prompt": "the fox", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        plain = httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        events = sse_events(httpx.post(base + "/v1/completions", json=body | {"stream": True}, timeout=60).text)
+    streamed = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert plain == streamed == want
+
+
+def test_chat_template_renders_as_transformers_does(tmp_path):
+    """Loop controls, a tojson that keeps "<" and non-ASCII as they are, and the checkpoint's special tokens: what
+    apply_chat_template gives templates."""
+    from engine.serve import load_special_tokens
+
+    tpl = ("{{ bos_token }}{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}"
+           "{{ m.content | tojson }}{% endfor %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": tpl, "bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "</s>"}))
+    special = load_special_tokens(str(tmp_path))
+    assert special == {"bos_token": "<s>", "eos_token": "</s>"}
+    msgs = [{"role": "user", "content": "<é>"}, {"role": "user", "content": "never"}]
+    assert render_chat(msgs, compile_chat_template(load_chat_template(str(tmp_path)), special)) == '<s>"<é>"'
+
+
+def test_chat_template_that_does_not_compile_fails_at_startup(eng):
+    with pytest.raises(EngineError, match="does not compile"):
+        create_app(eng, chat_template="{% for m in messages %}")
 
 
 def test_chat_template_default_and_checkpoint(tmp_path):

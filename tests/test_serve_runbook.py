@@ -38,3 +38,12 @@ def test_runbook_rejects_unknown_backend(tmp_path):
     with pytest.raises(RunFailed, match="backend must be one of"):
         execute(ROOT, rb, rb.params_for("8x-rtx-pro-6000", {"backend": "tgi"}), tmp_path / "run.ipynb",
                 progress=False)
+
+
+def test_runbook_opts_in_to_remote_code():
+    """LaunchConfig leaves a checkpoint's own Python off; the K2.5 checkpoint needs it, so the runbook says so."""
+    from engine.backends import SERVERS
+
+    params = load(ROOT, "baseline-k25-sglang").params_for("8x-rtx-pro-6000")
+    assert params["trust_remote_code"] is True
+    assert params["backend"] in SERVERS

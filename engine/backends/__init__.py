@@ -33,11 +33,12 @@ def serving(backend: str, cfg: LaunchConfig, url: str | None = None, **engine_kw
         yield url
     elif backend == "bundled":
         from engine.runtime import Engine
-        from engine.serve import ServeConfig, create_app, load_chat_template, serve_in_thread
+        from engine.serve import ServeConfig, create_app, load_chat_template, load_special_tokens, serve_in_thread
 
         eng = Engine.load(target=cfg.model, drafter=cfg.drafter, cuda_graphs=cfg.cuda_graphs, steps=cfg.spec.steps,
                           topk=cfg.spec.topk, draft_tokens=cfg.spec.draft_tokens, **engine_kw)
-        app = create_app(eng, ServeConfig(api_key=cfg.api_key), load_chat_template(cfg.model))
+        app = create_app(eng, ServeConfig(api_key=cfg.api_key), load_chat_template(cfg.model),
+                         load_special_tokens(cfg.model))
         with serve_in_thread(app, cfg.host) as base:
             yield base
     elif backend in SERVERS:

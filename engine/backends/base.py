@@ -43,12 +43,17 @@ class LaunchConfig:
     cuda_graph_max_bs: int | None = None
     host: str = "127.0.0.1"
     port: int = 30000
-    trust_remote_code: bool = True
+    # Opt-in: the flag lets the server run Python shipped with the checkpoint (modeling / tokenizer code).
+    trust_remote_code: bool = False
     api_key: str | None = None
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)  # NCCL_* and friends, added to this process's environment
     python: str = "python"
     startup_timeout_s: float = 1800.0  # loading a 1T-parameter checkpoint on eight GPUs takes many minutes
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():  # the servers would run without authentication
+            raise EngineError("the API key must not be empty (leave it out to serve without authentication)")
 
 
 class ServerProcess:
