@@ -98,6 +98,8 @@ class TrainRun:
     save_interval: int = 0  # 0: only the final checkpoint
     seed: int = 0
     cache_dir: str = "./cache"
+    embedding_key: str = "model.embed_tokens.weight"  # the target's tensor names (a multimodal checkpoint prefixes
+    lm_head_key: str = "lm_head.weight"  # them, e.g. language_model.): see its model.safetensors.index.json
     trust_remote_code: bool = True
 
     def __post_init__(self) -> None:
@@ -108,6 +110,7 @@ class TrainRun:
     def config(self) -> dict[str, Any]:
         model: dict[str, Any] = {"target_model_path": self.target, "draft_model_config": self.draft_config,
                                  "target_backend": "sglang", "trust_remote_code": self.trust_remote_code,
+                                 "embedding_key": self.embedding_key, "lm_head_key": self.lm_head_key,
                                  "torch_dtype": "bfloat16"}
         if self.init_drafter:
             model["draft_checkpoint_path"] = self.init_drafter
