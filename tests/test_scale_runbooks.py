@@ -205,7 +205,8 @@ def test_vocab_check_catches_a_rebuilt_mapping(pair):
 @pytest.mark.parametrize("rebuild", [False, True])
 def test_train_and_export_checks_the_vocabulary(specforge, pair, tmp_path, monkeypatch, rebuild):
     """Training stands in (it writes a SpecForge checkpoint, keeping or rebuilding d2t); SpecForge's real export
-    runs as a subprocess and the exported drafter is checked too."""
+    runs on the command built here (in this process) and the exported drafter is checked too."""
+    import specforge.cli
     from safetensors.torch import load_file
 
     tgt, drafter = pair
@@ -213,15 +214,15 @@ def test_train_and_export_checks_the_vocabulary(specforge, pair, tmp_path, monke
     sd.pop("embed_tokens.weight", None)
     if rebuild:
         sd["d2t"] = sd["d2t"].roll(1)
-    real_run = sf.run_logged
 
-    def fake_train(cmd, log_path, env=None, cwd=None):
+    def run_here(cmd, log_path, env=None, cwd=None):
+        assert cmd[1:3] == ["-m", "specforge.cli"]
         if cmd[3] == "train":
             _checkpoint(specforge, tmp_path / "out", "ft", sd, steps=(7,))
         else:
-            real_run(cmd, log_path, {**(env or {}), "PYTHONPATH": str(specforge)}, cwd)
+            assert specforge.cli.main(cmd[3:]) == 0
 
-    monkeypatch.setattr(sf, "run_logged", fake_train)
+    monkeypatch.setattr(sf, "run_logged", run_here)
     run = sf.TrainRun(str(tgt), str(drafter / "config.json"), str(tmp_path), str(tmp_path / "out"), run_id="ft",
                       init_drafter=str(drafter), vocab_mapping=str(sf.save_vocab_mapping(drafter, tmp_path / "v.pt")))
     initial = sf.vocab_mapping(drafter)
