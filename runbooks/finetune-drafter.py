@@ -8,6 +8,12 @@
 #
 # `-p target=DIR -p drafter=DIR` fine-tune a real drafter for a real target (DIR = the NEW target).
 #
+# Profile `8x-rtx-pro-6000` (`backend=sglang`) runs it at real scale with SpecForge 0.2.0: Kimi-K2.5's features on
+# the K2.5 samples (`train_data`) are captured under SGLang (TP `tp`), the AQ-MedAI K2 drafter is fine-tuned on them
+# (weights-only warm start, its draft vocabulary mapping passed to SpecForge and checked unchanged afterwards), and
+# its accept length on K2.5 is measured under SGLang before and after, per prompt set. Its numbers are not
+# verifiable here (no such hardware).
+#
 # ```yaml
 # title: Approach A - drafter A fine-tuned on a small sample of mix B; accept length on target B against steps
 # reproduces: [accept_before, accept_after, accept_gain]
@@ -19,6 +25,9 @@
 #   h200: {preset: gpu, device: cuda, samples: 2048, loss_tol: 0.02, accept_tol: 0.05}
 #   cpu.dsv3: {preset: cpu, device: cpu}
 #   h200.dsv3: {preset: gpu, device: cuda, samples: 2048, loss_tol: 0.02, accept_tol: 0.05}
+#   8x-rtx-pro-6000: {backend: sglang, target: /models/Kimi-K2.5-INT4, drafter: /models/Kimi-K2-Instruct-eagle3,
+#                     train_data: /data/k25-samples.jsonl, specforge_repo: /opt/SpecForge, samples: 37000,
+#                     chain_steps: 3}
 # timeout: 3600
 # cell_timeout: 3000
 # ```
@@ -37,69 +46,150 @@ drafter: str | None = None  # the drafter to start from [default: train-drafter'
 threads = 2
 loss_tol = 1e-4  # relative tolerance of the losses: exact on CPU (fixed seeds, pinned corpus); GPUs set one
 accept_tol = 0.0  # accept lengths: exact on CPU; GPU training is not bit-reproducible, so a GPU profile sets one
+# real scale (backend sglang; profile 8x-rtx-pro-6000); `samples` and `steps` above cap the data and the steps
+backend = "bundled"  # bundled: the miniature pair in this process; sglang: the checkpoints above, SpecForge, SGLang
+tp = 8  # SGLang tensor parallel, serving and feature capture
+nproc = 8  # SpecForge trainer ranks (data parallel)
+nccl_env: dict = {}  # e.g. {"NCCL_P2P_LEVEL": "SYS"}: passed to every server, capture and training process
+server_python: str | None = None  # interpreter with sglang + specforge 0.2.0 [default: this kernel's]
+extra_server_args: list = []  # more SGLang flags, e.g. ["--mem-fraction-static", "0.85"]
+prompt_sets: dict = {}  # name -> prompts file (.jsonl {"prompt"} or one a line); {}: the client's default mix
+requests = 32  # per prompt set
+max_tokens = 256
+train_data: str | None = None  # the K2.5 samples, SpecForge conversation JSONL
+features: str | None = None  # an earlier capture of train_data [default: captured here]
+specforge_repo: str | None = None  # a SpecForge 0.2.0 checkout (scripts/prepare_hidden_states.py)
+chat_template = "kimi-k2-instruct"  # SpecForge's template name
+max_length = 2048
+num_epochs = 1
+learning_rate = 5e-5
+embedding_key = "model.embed_tokens.weight"  # the target's names for them (see its safetensors index)
+lm_head_key = "lm_head.weight"
 outputs_dir: str | None = None
 upstream: dict = {}
 
+# %% [markdown]
+# ## At real scale (backend sglang)
+#
+# Capture, fine-tune and export with SpecForge (`engine.backends.specforge`), accept length under SGLang (greedy
+# chain of `chain_steps`, the mean over prompt sets is recorded). The run config, the logs and the exported drafter
+# stay in the run's outputs directory.
+
 # %%
-import tempfile
-from pathlib import Path
+if backend not in ("bundled", "sglang"):
+    raise ValueError(f"backend must be bundled (the miniature pair) or sglang (real checkpoints), got {backend!r}")
+at_scale = backend == "sglang"
+if at_scale:
+    import sys
+    from pathlib import Path
 
-import matplotlib.pyplot as plt
-import torch
+    from engine.backends import LaunchConfig, SpecSettings
+    from engine.backends.accept import accept_by_prompt_set, mean_accept
+    from engine.backends.specforge import CaptureRun, TrainRun, run_logged, save_vocab_mapping, train_and_export
+    from engine.backends.specforge import vocab_mapping
+    from specbook import record
 
-from engine.drafter import load_drafter
-from engine.loading import load_model
-from engine.train.drafter import accept_length, check_pair, prompt_ids, train_drafter
-from engine.train.presets import get_preset, with_overrides
-from engine.train.tokenizer import load_tokenizer
-from specbook import record
+    if not (target and drafter and (train_data or features) and specforge_repo):
+        raise ValueError("backend sglang needs target, drafter, train_data (or features) and specforge_repo")
+    work, py = Path(outputs_dir), server_python or sys.executable
+    env = {k: str(v) for k, v in nccl_env.items()}
+    draft_cfg = str(Path(drafter) / "config.json")
+    if features is None:
+        features = str(work / "features")
+        cap = CaptureRun(specforge_repo, target, draft_cfg, train_data, features, chat_template=chat_template,
+                         max_length=max_length, tp=tp, num_samples=samples, python=py)
+        print(" ".join(cap.command()))
+        run_logged(cap.command(), work / "capture.log", env)
 
-torch.set_num_threads(threads)
-torch.manual_seed(0)
-out = Path(outputs_dir or tempfile.mkdtemp(prefix="finetune-drafter-"))
-p = get_preset(preset)
-run = with_overrides(p.finetune, steps=steps, samples=samples)
-every = eval_every or max(run.steps // 4, 1)
-dir_b = Path(target or Path(upstream["train-target"]) / "target-b")
-dir_d = Path(drafter or Path(upstream["train-drafter"]) / "drafter-a")
-check_pair(dir_b, dir_d)
-prompts = prompt_ids(load_tokenizer(dir_b), eval_prompts or p.eval_prompts, p.prompt_chars, "B")
-new_tokens = max_new_tokens or p.max_new_tokens
+    def served_accept(draft: str, label: str) -> float:
+        cfg = LaunchConfig(model=target, drafter=draft, tp=tp, trust_remote_code=True, env=env,
+                           spec=SpecSettings(steps=chain_steps, topk=1, draft_tokens=chain_steps + 1),
+                           extra_args=tuple(extra_server_args), python=py, startup_timeout_s=3600.0)
+        per_set = accept_by_prompt_set("sglang", cfg, prompt_sets, requests=requests, max_tokens=max_tokens)
+        for name, s in per_set.items():
+            print(f"{label}, prompt set {name}: accept length {s.accept_length:.3f}")
+            record(f"accept_{label}.{name}", s.accept_length, unit="tokens/cycle", direction="higher",
+                   rel_tol=accept_tol, description=f"drafter {label} fine-tuning on target B, prompt set {name}")
+        return mean_accept(per_set)
 
+    before = served_accept(drafter, "before")
+    run = TrainRun(target, draft_cfg, features, str(work / "train"), run_id="finetune", init_drafter=drafter,
+                   vocab_mapping=str(save_vocab_mapping(drafter, work / "vocab_mapping.pt")),
+                   num_epochs=num_epochs, max_steps=steps, learning_rate=learning_rate, max_length=max_length,
+                   nproc=nproc, embedding_key=embedding_key, lm_head_key=lm_head_key)
+    trained = train_and_export(run, work, python=py, env=env, initial_vocab=vocab_mapping(drafter))
+    print(f"fine-tuned: {trained.checkpoint}; d2t/t2d unchanged; exported for SGLang to {trained.drafter}")
+    after = served_accept(str(trained.drafter), "after")
+    record("accept_before", before, unit="tokens/cycle", direction="none", rel_tol=accept_tol,
+           description=f"drafter A on target B under SGLang before fine-tuning (chain of {chain_steps}, mean "
+                       f"over prompt sets)")
+    record("accept_after", after, unit="tokens/cycle", direction="higher", rel_tol=accept_tol,
+           description=f"after fine-tuning on {samples} samples of {Path(train_data or features).name}")
+    record("accept_gain", after - before, unit="tokens/cycle", direction="higher", abs_tol=accept_tol * after,
+           description="accept length gained by fine-tuning")
 
-def measure(draft, model) -> dict[str, float]:
-    return {"accept_length": accept_length(model, draft, prompts, chain_steps, new_tokens)}
+# %%
+if not at_scale:  # the miniature pair, in this process
+    import tempfile
+    from pathlib import Path
 
+    import matplotlib.pyplot as plt
+    import torch
+
+    from engine.drafter import load_drafter
+    from engine.loading import load_model
+    from engine.train.drafter import accept_length, check_pair, prompt_ids, train_drafter
+    from engine.train.presets import get_preset, with_overrides
+    from engine.train.tokenizer import load_tokenizer
+    from specbook import record
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    out = Path(outputs_dir or tempfile.mkdtemp(prefix="finetune-drafter-"))
+    p = get_preset(preset)
+    run = with_overrides(p.finetune, steps=steps, samples=samples)
+    every = eval_every or max(run.steps // 4, 1)
+    dir_b = Path(target or Path(upstream["train-target"]) / "target-b")
+    dir_d = Path(drafter or Path(upstream["train-drafter"]) / "drafter-a")
+    check_pair(dir_b, dir_d)
+    prompts = prompt_ids(load_tokenizer(dir_b), eval_prompts or p.eval_prompts, p.prompt_chars, "B")
+    new_tokens = max_new_tokens or p.max_new_tokens
+
+    def measure(draft, model) -> dict[str, float]:
+        return {"accept_length": accept_length(model, draft, prompts, chain_steps, new_tokens)}
 
 # %% [markdown]
 # ## Before: drafter A plugged into B unchanged
 
 # %%
-model_b = load_model(dir_b, device=device, dtype=p.dtype)
-before = measure(load_drafter(dir_d, model_b), model_b)["accept_length"]
-print(f"accept length on B before fine-tuning: {before:.3f}")
-del model_b
+if not at_scale:  # the miniature pair, in this process
+    model_b = load_model(dir_b, device=device, dtype=p.dtype)
+    before = measure(load_drafter(dir_d, model_b), model_b)["accept_length"]
+    print(f"accept length on B before fine-tuning: {before:.3f}")
+    del model_b
 
 # %% [markdown]
 # ## Fine-tuning on the small sample
 
 # %%
-res = train_drafter(out / "drafter-ft", run, dir_b, init_from=dir_d, device=device, save_dtype=p.dtype,
-                    eval_fn=measure, eval_every=every)
-curve = [(0, before)] + [(e["step"], e["accept_length"]) for e in res.log.evals]
-for s, a in curve:
-    print(f"step {s:5d}: accept length {a:.3f}")
+if not at_scale:  # the miniature pair, in this process
+    res = train_drafter(out / "drafter-ft", run, dir_b, init_from=dir_d, device=device, save_dtype=p.dtype,
+                        eval_fn=measure, eval_every=every)
+    curve = [(0, before)] + [(e["step"], e["accept_length"]) for e in res.log.evals]
+    for s, a in curve:
+        print(f"step {s:5d}: accept length {a:.3f}")
 
 # %%
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-ax1.plot(*zip(*curve), marker="o")
-ax1.set_xlabel("fine-tuning step")
-ax1.set_ylabel("accept length on target B")
-ax1.set_title(f"drafter A fine-tuned on {samples} samples of mix B")
-ax2.plot(res.log.history["loss"])
-ax2.set_xlabel("fine-tuning step")
-ax2.set_ylabel("TTT loss")
-plt.show()
+if not at_scale:  # the miniature pair, in this process
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax1.plot(*zip(*curve), marker="o")
+    ax1.set_xlabel("fine-tuning step")
+    ax1.set_ylabel("accept length on target B")
+    ax1.set_title(f"drafter A fine-tuned on {samples} samples of mix B")
+    ax2.plot(res.log.history["loss"])
+    ax2.set_xlabel("fine-tuning step")
+    ax2.set_ylabel("TTT loss")
+    plt.show()
 
 # %%
 after = curve[-1][1]
@@ -112,3 +202,8 @@ record("accept_gain", after - before, unit="tokens/cycle", kind=kind, direction=
        description="accept length gained by fine-tuning")
 record("finetune_loss", res.final_loss, unit="nats", kind=kind, direction="lower", rel_tol=loss_tol,
        description="training-time-test loss at the end of fine-tuning")
+if not at_scale:  # the miniature pair, in this process
+    record("accept_before", before, unit="tokens/cycle", direction="none", rel_tol=accept_tol,
+    record("accept_after", after, unit="tokens/cycle", direction="higher", rel_tol=accept_tol,
+    record("accept_gain", after - before, unit="tokens/cycle", direction="higher", abs_tol=accept_tol * after,
+    record("finetune_loss", res.final_loss, unit="nats", direction="lower", rel_tol=loss_tol,

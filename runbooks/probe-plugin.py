@@ -11,6 +11,11 @@
 # `-p target=DIR -p target_b=DIR -p drafter=DIR` run the probe on real checkpoints (e.g. Kimi-K2, Kimi-K2.5 and
 # the AQ-MedAI K2 drafter).
 #
+# Profile `8x-rtx-pro-6000` (`backend=sglang`) runs it at real scale: Kimi-K2 and Kimi-K2.5 under SGLang (TP `tp`),
+# each with the K2 drafter unchanged; accept length per prompt set through the benchmark client, and the hidden
+# states at the drafter's feature layers from SpecForge's offline dump of both targets on the same samples. Its
+# numbers are not verifiable here (no such hardware).
+#
 # ```yaml
 # title: Approach C - hidden-state similarity of A and B per layer; drafter A's accept length on B vs on A
 # reproduces: [cos_aux_mean, cos_min, accept_on_a, accept_on_b, accept_kept]
@@ -22,6 +27,9 @@
 #   h200: {preset: gpu, device: cuda, accept_tol: 0.05, cos_tol: 0.01}
 #   cpu.dsv3: {preset: cpu, device: cpu}
 #   h200.dsv3: {preset: gpu, device: cuda, accept_tol: 0.05, cos_tol: 0.01}
+#   8x-rtx-pro-6000: {backend: sglang, target: /models/Kimi-K2-Instruct, target_b: /models/Kimi-K2.5-INT4,
+#                     drafter: /models/Kimi-K2-Instruct-eagle3, capture_data: /data/k25-eval.jsonl,
+#                     specforge_repo: /opt/SpecForge, chain_steps: 3}
 # timeout: 1800
 # cell_timeout: 1500
 # ```
@@ -39,32 +47,106 @@ drafter: str | None = None  # drafter A [default: train-drafter's drafter-a]
 threads = 2
 cos_tol = 1e-4  # relative tolerance of the cosines: exact on CPU; a GPU profile sets its own
 accept_tol = 0.0  # accept lengths: exact on CPU; GPU training is not bit-reproducible, so a GPU profile sets one
+# real scale (backend sglang; profile 8x-rtx-pro-6000)
+backend = "bundled"  # bundled: the miniature pair in this process; sglang: the checkpoints above under SGLang
+tp = 8  # SGLang tensor parallel, serving and feature capture
+nccl_env: dict = {}  # e.g. {"NCCL_P2P_LEVEL": "SYS"}: passed to every server and capture process
+server_python: str | None = None  # interpreter with sglang + specforge 0.2.0 [default: this kernel's]
+extra_server_args: list = []  # more SGLang flags, e.g. ["--mem-fraction-static", "0.85"]
+prompt_sets: dict = {}  # name -> prompts file (.jsonl {"prompt"} or one a line); {}: the client's default mix
+requests = 32  # per prompt set
+max_tokens = 256
+capture_data: str | None = None  # SpecForge conversation JSONL whose samples both targets' features are taken on
+capture_samples = 256
+specforge_repo: str | None = None  # a SpecForge 0.2.0 checkout (scripts/prepare_hidden_states.py)
+chat_template = "kimi-k2-instruct"  # SpecForge's template name for the capture
+outputs_dir: str | None = None
 upstream: dict = {}
 
+# %% [markdown]
+# ## At real scale (backend sglang)
+#
+# Hidden states: SpecForge captures both targets' features on the same `capture_samples` samples of
+# `capture_data`, at the layers the drafter's config names (its three feature layers, then the last layer's output);
+# the cosine similarity is averaged over every token, as below. Accept length: each target served by SGLang with the
+# drafter unchanged, a greedy chain of `chain_steps`, per prompt set; the recorded number is the mean over sets.
+
 # %%
-from pathlib import Path
+if backend not in ("bundled", "sglang"):
+    raise ValueError(f"backend must be bundled (the miniature pair) or sglang (real checkpoints), got {backend!r}")
+at_scale = backend == "sglang"
+if at_scale:
+    import sys
+    from pathlib import Path
 
-import matplotlib.pyplot as plt
-import torch
+    from engine.backends import LaunchConfig, SpecSettings
+    from engine.backends.accept import accept_by_prompt_set, mean_accept
+    from engine.backends.features import similarity
+    from engine.backends.specforge import CaptureRun, run_logged
+    from specbook import record
 
-from engine.drafter import load_drafter
-from engine.loading import load_model
-from engine.train.drafter import accept_length, check_pair, prompt_ids
-from engine.train.presets import get_preset
-from engine.train.tokenizer import load_tokenizer
-from specbook import record
+    if not all((target, target_b, drafter, capture_data, specforge_repo)):
+        raise ValueError("backend sglang needs target, target_b, drafter, capture_data and specforge_repo")
+    work, py = Path(outputs_dir), server_python or sys.executable
+    env = {k: str(v) for k, v in nccl_env.items()}
+    models = {"a": target, "b": target_b}
+    for name, model in models.items():
+        cap = CaptureRun(specforge_repo, model, str(Path(drafter) / "config.json"), capture_data,
+                         str(work / f"features-{name}"), chat_template=chat_template, tp=tp,
+                         num_samples=capture_samples, python=py)
+        print(" ".join(cap.command()))
+        run_logged(cap.command(), work / f"capture-{name}.log", env)
+    sim = similarity(work / "features-a", work / "features-b")
+    print(f"cosine A vs B over {sim.tokens} tokens: feature layers {[round(c, 4) for c in sim.aux]}, "
+          f"last layer {sim.last:.4f}")
+    tau = {}
+    for name, model in models.items():
+        cfg = LaunchConfig(model=model, drafter=drafter, tp=tp, trust_remote_code=True, env=env,
+                           spec=SpecSettings(steps=chain_steps, topk=1, draft_tokens=chain_steps + 1),
+                           extra_args=tuple(extra_server_args), python=py, startup_timeout_s=3600.0)
+        per_set = accept_by_prompt_set("sglang", cfg, prompt_sets, requests=requests, max_tokens=max_tokens)
+        for set_name, s in per_set.items():
+            print(f"drafter A on target {name.upper()}, prompt set {set_name}: accept length {s.accept_length:.3f}")
+            record(f"accept_on_{name}.{set_name}", s.accept_length, unit="tokens/cycle", direction="higher",
+                   rel_tol=accept_tol, description=f"drafter A on target {name.upper()}, prompt set {set_name}")
+        tau[name] = mean_accept(per_set)
+    record("cos_aux_mean", sim.aux_mean, unit="cosine", direction="none", rel_tol=cos_tol,
+           description=f"A-vs-B cosine similarity at the drafter's three feature layers, mean ({sim.samples} "
+                       f"samples of {Path(capture_data).name})")
+    record("cos_min", sim.min, unit="cosine", direction="none", rel_tol=cos_tol,
+           description="lowest A-vs-B cosine similarity over the captured layers (feature layers and the last)")
+    record("accept_on_a", tau["a"], unit="tokens/cycle", direction="higher", rel_tol=accept_tol,
+           description=f"drafter A on target A under SGLang, chain of {chain_steps}, mean over prompt sets")
+    record("accept_on_b", tau["b"], unit="tokens/cycle", direction="higher", rel_tol=accept_tol,
+           description="drafter A plugged into target B unchanged, same settings and prompts")
+    record("accept_kept", (tau["b"] - 1) / max(tau["a"] - 1, 1e-9), unit="fraction", direction="higher",
+           rel_tol=accept_tol, description="share of drafter A's accepted draft tokens per cycle that survive on B")
 
-torch.set_num_threads(threads)
-torch.manual_seed(0)
-p = get_preset(preset)
-dir_a = Path(target or Path(upstream["train-target"]) / "target-a")
-dir_b = Path(target_b or Path(upstream["train-target"]) / "target-b")
-dir_d = Path(drafter or Path(upstream["train-drafter"]) / "drafter-a")
-for d in (dir_a, dir_b):
-    check_pair(d, dir_d)
-model_a = load_model(dir_a, device=device, dtype=p.dtype)
-model_b = load_model(dir_b, device=device, dtype=p.dtype)
-prompts = prompt_ids(load_tokenizer(dir_a), eval_prompts or p.eval_prompts, p.prompt_chars, mix)
+# %%
+if not at_scale:  # the miniature pair, in this process
+    from pathlib import Path
+
+    import matplotlib.pyplot as plt
+    import torch
+
+    from engine.drafter import load_drafter
+    from engine.loading import load_model
+    from engine.train.drafter import accept_length, check_pair, prompt_ids
+    from engine.train.presets import get_preset
+    from engine.train.tokenizer import load_tokenizer
+    from specbook import record
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    p = get_preset(preset)
+    dir_a = Path(target or Path(upstream["train-target"]) / "target-a")
+    dir_b = Path(target_b or Path(upstream["train-target"]) / "target-b")
+    dir_d = Path(drafter or Path(upstream["train-drafter"]) / "drafter-a")
+    for d in (dir_a, dir_b):
+        check_pair(d, dir_d)
+    model_a = load_model(dir_a, device=device, dtype=p.dtype)
+    model_b = load_model(dir_b, device=device, dtype=p.dtype)
+    prompts = prompt_ids(load_tokenizer(dir_a), eval_prompts or p.eval_prompts, p.prompt_chars, mix)
 
 # %% [markdown]
 # ## Hidden states, layer by layer
@@ -73,45 +155,46 @@ prompts = prompt_ids(load_tokenizer(dir_a), eval_prompts or p.eval_prompts, p.pr
 # every token of every prompt; the similarity is averaged over tokens.
 
 # %%
-L = model_a.cfg.num_hidden_layers
-layers = tuple(range(L + 1))
+if not at_scale:  # the miniature pair, in this process
+    L = model_a.cfg.num_hidden_layers
+    layers = tuple(range(L + 1))
 
+    @torch.no_grad()
+    def states(model, ids):
+        x = torch.tensor([ids], device=model.device)
+        _, aux = model(x, torch.arange(len(ids), device=model.device), hidden_layers=layers)
+        return aux.float().view(len(ids), L + 1, -1)  # [T, layers, H]
 
-@torch.no_grad()
-def states(model, ids):
-    x = torch.tensor([ids], device=model.device)
-    _, aux = model(x, torch.arange(len(ids), device=model.device), hidden_layers=layers)
-    return aux.float().view(len(ids), L + 1, -1)  # [T, layers, H]
+    sums = torch.zeros(L + 1)
+    tokens = 0
+    for ids in prompts:
+        cos_t = torch.nn.functional.cosine_similarity(states(model_a, ids), states(model_b, ids), dim=-1)
+        sums += cos_t.sum(0).cpu()
+        tokens += len(ids)
+    cos = (sums / tokens).tolist()
+    aux_layers = load_drafter(dir_d, model_a).aux_layers
 
-
-sums = torch.zeros(L + 1)
-tokens = 0
-for ids in prompts:
-    sums += torch.nn.functional.cosine_similarity(states(model_a, ids), states(model_b, ids), dim=-1).sum(0).cpu()
-    tokens += len(ids)
-cos = (sums / tokens).tolist()
-aux_layers = load_drafter(dir_d, model_a).aux_layers
-
-fig, ax = plt.subplots(figsize=(7, 3.5))
-ax.plot(layers, cos, marker="o")
-ax.set_xticks(layers[:: max(1, len(layers) // 16)])
-for i in aux_layers:
-    ax.axvline(i, color="tab:red", alpha=0.4)
-ax.set_xlabel("residual stream entering layer (red: the drafter's feature layers)")
-ax.set_ylabel("cosine(A, B), mean over tokens")
-ax.set_ylim(min(cos) - 0.05, 1.0)
-plt.show()
-print("cosine per layer:", [round(c, 4) for c in cos])
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(layers, cos, marker="o")
+    ax.set_xticks(layers[:: max(1, len(layers) // 16)])
+    for i in aux_layers:
+        ax.axvline(i, color="tab:red", alpha=0.4)
+    ax.set_xlabel("residual stream entering layer (red: the drafter's feature layers)")
+    ax.set_ylabel("cosine(A, B), mean over tokens")
+    ax.set_ylim(min(cos) - 0.05, 1.0)
+    plt.show()
+    print("cosine per layer:", [round(c, 4) for c in cos])
 
 # %% [markdown]
 # ## Drafter A on A and on B
 
 # %%
-new_tokens = max_new_tokens or p.max_new_tokens
-tau = {}
-for name, model in (("A", model_a), ("B", model_b)):
-    tau[name] = accept_length(model, load_drafter(dir_d, model), prompts, chain_steps, new_tokens)
-    print(f"drafter A on target {name}: accept length {tau[name]:.3f}")
+if not at_scale:  # the miniature pair, in this process
+    new_tokens = max_new_tokens or p.max_new_tokens
+    tau = {}
+    for name, model in (("A", model_a), ("B", model_b)):
+        tau[name] = accept_length(model, load_drafter(dir_d, model), prompts, chain_steps, new_tokens)
+        print(f"drafter A on target {name}: accept length {tau[name]:.3f}")
 
 # %%
 kind = "exact" if device == "cpu" else "noisy"  # GPU training is not bit-reproducible: its results are noisy
@@ -125,3 +208,9 @@ record("accept_on_b", tau["B"], unit="tokens/cycle", kind=kind, direction="highe
        description=f"drafter A plugged into target B unchanged, same prompts")
 record("accept_kept", (tau["B"] - 1) / max(tau["A"] - 1, 1e-9), unit="fraction", kind=kind, direction="higher",
        rel_tol=accept_tol, description="share of drafter A's accepted draft tokens per cycle that survive on B")
+if not at_scale:  # the miniature pair, in this process
+    record("cos_aux_mean", sum(cos[i] for i in aux_layers) / 3, unit="cosine", direction="none", rel_tol=cos_tol,
+    record("cos_min", min(cos), unit="cosine", direction="none", rel_tol=cos_tol,
+    record("accept_on_a", tau["A"], unit="tokens/cycle", direction="higher", rel_tol=accept_tol,
+    record("accept_on_b", tau["B"], unit="tokens/cycle", direction="higher", rel_tol=accept_tol,
+    record("accept_kept", (tau["B"] - 1) / max(tau["A"] - 1, 1e-9), unit="fraction", direction="higher",

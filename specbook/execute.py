@@ -201,7 +201,10 @@ def target(root: Path, name: str, profile: str, overrides: dict[str, Any] | None
         raise SpecbookError(f"dependency cycle: {' -> '.join((*_chain, name))}")
     rb = load(root, name)
     params = rb.params_for(profile, overrides)
-    upstream = {d: target(root, d, profile, None, (*_chain, name)) for d in rb.depends}
+    # A dependency that does not declare this profile is not run on it: there the runbook takes what upstream would
+    # give it from its parameters (a real-server profile points at real checkpoints instead of trained miniatures).
+    upstream = {d: target(root, d, profile, None, (*_chain, name)) for d in rb.depends
+                if d in (*_chain, name) or profile in load(root, d).profiles}
     inputs = {i: input_fingerprint(root, i) for i in rb.inputs}
     engine = engine_hash(root, rb.source)
     h = inputs_hash(rb.hashed_source, params, engine, {d: t.inputs_hash for d, t in upstream.items()}, inputs)
