@@ -79,6 +79,8 @@ upstream: dict = {}
 if backend not in ("bundled", "sglang"):
     raise ValueError(f"backend must be bundled (the miniature pair) or sglang (real checkpoints), got {backend!r}")
 at_scale = backend == "sglang"
+# GPU training is not bit-reproducible and served runs vary: their results are noisy; on CPU they are exact
+kind = "exact" if device == "cpu" and not at_scale else "noisy"
 if at_scale:
     import sys
     from pathlib import Path
@@ -108,7 +110,7 @@ if at_scale:
         per_set = accept_by_prompt_set("sglang", cfg, prompt_sets, requests=requests, max_tokens=max_tokens)
         for name, s in per_set.items():
             print(f"{label}, prompt set {name}: accept length {s.accept_length:.3f}")
-            record(f"accept_{label}.{name}", s.accept_length, unit="tokens/cycle", direction="higher",
+            record(f"accept_{label}.{name}", s.accept_length, unit="tokens/cycle", kind=kind, direction="higher",
                    rel_tol=accept_tol, description=f"drafter {label} fine-tuning on target B, prompt set {name}")
         return mean_accept(per_set)
 
@@ -120,12 +122,12 @@ if at_scale:
     trained = train_and_export(run, work, python=py, env=env, initial_vocab=vocab_mapping(drafter))
     print(f"fine-tuned: {trained.checkpoint}; d2t/t2d unchanged; exported for SGLang to {trained.drafter}")
     after = served_accept(str(trained.drafter), "after")
-    record("accept_before", before, unit="tokens/cycle", direction="none", rel_tol=accept_tol,
+    record("accept_before", before, unit="tokens/cycle", kind=kind, direction="none", rel_tol=accept_tol,
            description=f"drafter A on target B under SGLang before fine-tuning (chain of {chain_steps}, mean "
                        f"over prompt sets)")
-    record("accept_after", after, unit="tokens/cycle", direction="higher", rel_tol=accept_tol,
+    record("accept_after", after, unit="tokens/cycle", kind=kind, direction="higher", rel_tol=accept_tol,
            description=f"after fine-tuning on {samples} samples of {Path(train_data or features).name}")
-    record("accept_gain", after - before, unit="tokens/cycle", direction="higher", abs_tol=accept_tol * after,
+    record("accept_gain", after - before, unit="tokens/cycle", kind=kind, direction="higher", rel_tol=accept_tol,
            description="accept length gained by fine-tuning")
 
 # %%
@@ -192,18 +194,13 @@ if not at_scale:  # the miniature pair, in this process
     plt.show()
 
 # %%
-after = curve[-1][1]
-kind = "exact" if device == "cpu" else "noisy"  # GPU training is not bit-reproducible: its results are noisy
-record("accept_before", before, unit="tokens/cycle", kind=kind, direction="none", rel_tol=accept_tol,
-       description=f"drafter A on target B before fine-tuning (greedy chain of {chain_steps}, mix B prompts)")
-record("accept_after", after, unit="tokens/cycle", kind=kind, direction="higher", rel_tol=accept_tol,
-       description=f"after {run.steps} fine-tuning steps on {samples} samples of mix B")
-record("accept_gain", after - before, unit="tokens/cycle", kind=kind, direction="higher", rel_tol=accept_tol,
-       description="accept length gained by fine-tuning")
-record("finetune_loss", res.final_loss, unit="nats", kind=kind, direction="lower", rel_tol=loss_tol,
-       description="training-time-test loss at the end of fine-tuning")
 if not at_scale:  # the miniature pair, in this process
-    record("accept_before", before, unit="tokens/cycle", direction="none", rel_tol=accept_tol,
-    record("accept_after", after, unit="tokens/cycle", direction="higher", rel_tol=accept_tol,
-    record("accept_gain", after - before, unit="tokens/cycle", direction="higher", abs_tol=accept_tol * after,
-    record("finetune_loss", res.final_loss, unit="nats", direction="lower", rel_tol=loss_tol,
+    after = curve[-1][1]
+    record("accept_before", before, unit="tokens/cycle", kind=kind, direction="none", rel_tol=accept_tol,
+           description=f"drafter A on target B before fine-tuning (greedy chain of {chain_steps}, mix B prompts)")
+    record("accept_after", after, unit="tokens/cycle", kind=kind, direction="higher", rel_tol=accept_tol,
+           description=f"after {run.steps} fine-tuning steps on {samples} samples of mix B")
+    record("accept_gain", after - before, unit="tokens/cycle", kind=kind, direction="higher", rel_tol=accept_tol,
+           description="accept length gained by fine-tuning")
+    record("finetune_loss", res.final_loss, unit="nats", kind=kind, direction="lower", rel_tol=loss_tol,
+           description="training-time-test loss at the end of fine-tuning")
