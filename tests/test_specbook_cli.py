@@ -44,7 +44,7 @@ def test_run_records_publishes_and_verifies(tmp_path, monkeypatch):
     monkeypatch.setattr(claims, "refresh_docs", lambda root, names: refreshed.append(list(names)) or [])
     root = make_repo(tmp_path, bench=FROM_FILE)
     (root / "value.txt").write_text("100")
-    r = cli(root, "run", "bench")
+    r = cli(root, "run", "--record", "bench")
     assert r.exit_code == 0, r.stderr
     assert refreshed == [["bench"]]  # docs claims follow the new record
     assert "bench" in r.stdout and "100" in r.stdout and "new" in r.stdout
@@ -55,13 +55,28 @@ def test_run_records_publishes_and_verifies(tmp_path, monkeypatch):
 
     r = cli(root, "verify", "--json")
     out = json.loads(r.stdout)
-    assert r.exit_code == 0 and [v["verdict"] for v in out["verdicts"]] == ["fresh"]
+    assert r.exit_code == 0 and [v["state"] for v in out["verdicts"]] == ["fresh"]
     assert out["verdicts"][0]["measured"] == 100.0
 
-    r = cli(root, "run", "bench", "--json")
+    r = cli(root, "run", "--record", "bench", "--json")
     rows = json.loads(r.stdout)
-    assert r.exit_code == 0 and rows[0]["recorded"] == 100.0 and rows[0]["change"] == "within tolerance"
+    assert r.exit_code == 0 and rows[0]["recorded"] == 100.0 and rows[0]["vs_recorded"] == "within tolerance"
     assert len(baseline(root, "bench")["profiles"]["cpu"]["metrics"]["x"]["history"]) == 2
+
+
+def test_run_without_record_changes_no_tracked_file(tmp_path):
+    """A local re-run measures and compares; only --record writes baselines/ and docs/."""
+    root = make_repo(tmp_path, bench=FROM_FILE)
+    (root / "value.txt").write_text("100")
+    assert cli(root, "run", "--record", "bench").exit_code == 0
+    before = (root / "baselines" / "bench.yaml").read_bytes()
+    (root / "value.txt").write_text("50")
+    r = cli(root, "run", "bench")
+    assert r.exit_code == 0, r.stderr
+    assert (root / "baselines" / "bench.yaml").read_bytes() == before
+    assert "will run: bench (cpu)" in r.stderr and "nothing recorded" in r.stdout
+    assert "50" in r.stdout and "regression" in r.stdout  # measured beside the committed record
+    assert (root / ".specbook" / "executed" / "bench-cpu.ipynb").is_file()
 
 
 @pytest.mark.parametrize("direction, new, change", [
@@ -71,17 +86,17 @@ def test_run_records_publishes_and_verifies(tmp_path, monkeypatch):
 def test_verify_drift_exits_1(tmp_path, direction, new, change):
     root = make_repo(tmp_path, bench=FROM_FILE)
     (root / "value.txt").write_text("100")
-    assert cli(root, "run", "bench", "-p", f"direction={direction}").exit_code == 0
+    assert cli(root, "run", "--record", "bench", "-p", f"direction={direction}").exit_code == 0
     (root / "value.txt").write_text(new)
     r = cli(root, "verify", "bench", "--json")
     v = json.loads(r.stdout)["verdicts"][0]
-    assert r.exit_code == 1 and v["verdict"] == "drifted" and v["change"] == change
+    assert r.exit_code == 1 and v["state"] == "drifted" and v["change"] == change
     assert baseline(root, "bench")["profiles"]["cpu"]["metrics"]["x"]["value"] == 100.0  # verify never records
 
 
 def test_failing_cell_is_one_line_and_records_nothing(tmp_path):
     root = make_repo(tmp_path, bad=runbook_text(body="record('x', 1.0, unit='u')\nraise KeyError('no such model')"))
-    r = cli(root, "run", "bad")
+    r = cli(root, "run", "--record", "bad")
     _one_line_error(r, 3, "runbook bad: cell 3 (line", "raised KeyError: 'no such model'", "partly executed notebook")
     partial = Path(r.stderr.split("partly executed notebook: ")[1].rstrip(")\n"))
     assert partial.exists() and not (root / "baselines" / "bad.yaml").exists()
@@ -90,13 +105,13 @@ def test_failing_cell_is_one_line_and_records_nothing(tmp_path):
 def test_whole_run_timeout(tmp_path):
     root = make_repo(tmp_path, slow=runbook_text(extra_header="timeout: 2", body="import time\ntime.sleep(30)"))
     t0 = time.monotonic()
-    _one_line_error(cli(root, "run", "slow"), 3, "whole-run timeout 2s exceeded")
+    _one_line_error(cli(root, "run", "--record", "slow"), 3, "whole-run timeout 2s exceeded")
     assert time.monotonic() - t0 < 20
 
 
 def test_reproduces_must_be_recorded(tmp_path):
     root = make_repo(tmp_path, r=runbook_text(extra_header="reproduces: [x, tok_s]"))
-    _one_line_error(cli(root, "run", "r"), 3, "declares reproduces ['tok_s'] but did not record them")
+    _one_line_error(cli(root, "run", "--record", "r"), 3, "declares reproduces ['tok_s'] but did not record them")
 
 
 @pytest.mark.parametrize("args, code, fragment", [
@@ -131,40 +146,40 @@ def test_dependencies_run_once_and_again_when_stale(tmp_path):
         record("x", float(Path(upstream["up"], "model.txt").read_text()) + 1, unit="u")
     """)
     root = make_repo(tmp_path, up=up, down=down)
-    r = cli(root, "run", "down")
+    r = cli(root, "run", "--record", "down")
     assert r.exit_code == 0, r.stderr
     assert "running up" in r.stderr and baseline(root, "down")["profiles"]["cpu"]["metrics"]["x"]["value"] == 42.0
     assert not (root / "baselines" / "up.yaml").exists()  # it recorded no numbers
 
-    r = cli(root, "run", "down")
+    r = cli(root, "run", "--record", "down")
     assert r.exit_code == 0 and "running up" not in r.stderr  # cached outputs of the same inputs
-    assert "running up" in cli(root, "run", "down", "--force").stderr
+    assert "running up" in cli(root, "run", "--record", "down", "--force").stderr
 
     write_runbook(root, "up", up.replace('"41"', '"9"'))
     assert cli(root, "status", "down").exit_code == 1  # stale: its upstream changed
-    r = cli(root, "run", "down")
+    r = cli(root, "run", "--record", "down")
     assert "running up" in r.stderr and baseline(root, "down")["profiles"]["cpu"]["metrics"]["x"]["value"] == 10.0
 
 
 def test_dependency_cycle(tmp_path):
     root = make_repo(tmp_path, a=runbook_text(extra_header="depends: [b]"), b=runbook_text(extra_header="depends: [a]"))
-    _one_line_error(cli(root, "run", "a"), 2, "dependency cycle: a -> b -> a")
+    _one_line_error(cli(root, "run", "--record", "a"), 2, "dependency cycle: a -> b -> a")
 
 
 def test_list_show_env_status(tmp_path):
     root = make_repo(tmp_path, bench=runbook_text(profiles="{cpu: {}, h200: {}}"))
     assert json.loads(cli(root, "list", "--json").stdout)[0]["records"] == {"-": "unrecorded"}
-    assert cli(root, "run", "bench").exit_code == 0
+    assert cli(root, "run", "--record", "bench").exit_code == 0
     listed = json.loads(cli(root, "list", "--json").stdout)
     assert listed == [{"name": "bench", "title": "T", "profiles": ["cpu", "h200"], "depends": [],
-                       "records": {"cpu": "fresh"}}]
+                       "records": {"cpu": "current"}}]
     shown = cli(root, "show", "bench")
     assert shown.exit_code == 0 and "rel 0.1" in shown.stdout and "commit" in shown.stdout
     assert json.loads(cli(root, "show", "bench", "--json").stdout)["runbook"] == "bench"
     env = json.loads(cli(root, "env", "--json").stdout)
     assert {"git_commit", "versions", "gpu", "env", "sitecustomize", "profile"} <= set(env)
     r = cli(root, "status", "--json")
-    assert r.exit_code == 0 and json.loads(r.stdout)[0]["verdict"] == "fresh"
+    assert r.exit_code == 0 and json.loads(r.stdout)[0]["state"] == "current"
 
 
 def _here() -> str:
@@ -181,7 +196,7 @@ def _runbook_cmd(root: Path, *args: str) -> subprocess.Popen:
 
 def test_two_concurrent_runs_both_land(tmp_path):
     root = make_repo(tmp_path, bench=runbook_text(profiles=_here()))
-    procs = [_runbook_cmd(root, "run", "bench") for _ in range(2)]
+    procs = [_runbook_cmd(root, "run", "--record", "bench") for _ in range(2)]
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
@@ -196,9 +211,9 @@ def test_sigkill_mid_run_leaves_the_record_untouched(tmp_path):
         time.sleep(wait)
     """)
     root = make_repo(tmp_path, bench=slow)
-    assert _runbook_cmd(root, "run", "bench").wait(timeout=60) == 0
+    assert _runbook_cmd(root, "run", "--record", "bench").wait(timeout=60) == 0
     before = (root / "baselines" / "bench.yaml").read_bytes()
-    proc = _runbook_cmd(root, "run", "bench", "-p", "value=2.0", "-p", "wait=60")
+    proc = _runbook_cmd(root, "run", "--record", "bench", "-p", "value=2.0", "-p", "wait=60")
     deadline = time.monotonic() + 60
     while not list((root / ".specbook" / "runs").glob("bench-*/*.records.jsonl")):
         assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()
@@ -206,7 +221,7 @@ def test_sigkill_mid_run_leaves_the_record_untouched(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert (root / "baselines" / "bench.yaml").read_bytes() == before
-    assert _runbook_cmd(root, "run", "bench", "-p", "value=3.0").wait(timeout=60) == 0  # no stale lock blocks it
+    assert _runbook_cmd(root, "run", "--record", "bench", "-p", "value=3.0").wait(timeout=60) == 0  # no stale lock blocks it
     assert [p["metrics"]["x"]["value"] for p in baseline(root, "bench")["profiles"].values()] == [3.0]
 
 
@@ -219,13 +234,14 @@ def test_list_survives_a_broken_runbook(tmp_path):
 
 
 def test_verify_docs_problems_exit_1(tmp_path, monkeypatch):
-    from specbook import claims
+    from specbook import claims, site
 
     root = make_repo(tmp_path)
     monkeypatch.setattr(claims, "check_docs", lambda root: ["docs/x.md:3: claim a/cpu/x: literal '1' != record '2'"])
     r = cli(root, "verify", "--docs")
     assert r.exit_code == 1 and "docs/x.md:3: claim a/cpu/x" in r.stdout
     monkeypatch.setattr(claims, "check_docs", lambda root: [])
+    monkeypatch.setattr(site, "out_of_date", lambda root: [])
     assert cli(root, "verify", "--docs").exit_code == 0
 
 
@@ -253,23 +269,23 @@ def test_profile_variants_run_here_record_apart_and_carry_through_dependencies(t
         record("x", float(Path(upstream["up"], "model.txt").read_text()) + 1, unit="u")
     """)
     root = make_repo(tmp_path, up=up, down=down)
-    assert cli(root, "run", "down").exit_code == 0
-    r = cli(root, "run", "down", "--profile", "cpu.alt", "--json")
+    assert cli(root, "run", "--record", "down").exit_code == 0
+    r = cli(root, "run", "--record", "down", "--profile", "cpu.alt", "--json")
     assert r.exit_code == 0, r.stderr
     assert json.loads(r.stdout)[0]["profile"] == "cpu.alt"
     metrics = {p: v["metrics"]["x"]["value"] for p, v in baseline(root, "down")["profiles"].items()}
     assert metrics == {"cpu": 2.0, "cpu.alt": 41.0}
     assert (root / "docs" / "runbooks" / "executed" / "down-cpu.alt.ipynb").exists()
-    _one_line_error(cli(root, "run", "down", "--profile", "h200.alt"), 2, "h200.alt", "it is cpu")
+    _one_line_error(cli(root, "run", "--record", "down", "--profile", "h200.alt"), 2, "h200.alt", "it is cpu")
     r = cli(root, "verify", "--json")
     assert r.exit_code == 0, r.stderr
-    verdicts = {(v["profile"], v["verdict"]) for v in json.loads(r.stdout)["verdicts"] if v["runbook"] == "down"}
+    verdicts = {(v["profile"], v["state"]) for v in json.loads(r.stdout)["verdicts"] if v["runbook"] == "down"}
     assert verdicts == {("cpu", "fresh"), ("cpu.alt", "fresh")}
 
 
 def test_another_profile_in_the_header_leaves_records_fresh(tmp_path):
     root = make_repo(tmp_path, x=runbook_text(profiles="{cpu: {value: 2.0}}"))
-    assert cli(root, "run", "x").exit_code == 0
+    assert cli(root, "run", "--record", "x").exit_code == 0
     write_runbook(root, "x", runbook_text(profiles="\n  cpu: {value: 2.0}\n  h200.alt: {value: 3.0}"))
     assert cli(root, "status", "x").exit_code == 0  # still fresh: only another profile was added
     write_runbook(root, "x", runbook_text(profiles="{cpu: {value: 5.0}}"))
