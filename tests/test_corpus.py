@@ -130,6 +130,7 @@ def test_prefilled_directory_is_used_as_it_is_without_pip(pinned, tmp_path, monk
     monkeypatch.setenv(corpus.DIR_ENV, str(index))  # a directory copied from a machine with network
     got = corpus.fetch(lock)
     assert sorted(p.name for p in got.values()) == sorted(p.name for _, ps in sources for p in ps)
+    assert sorted(p.name for p in index.iterdir()) == sorted(got_.name for got_ in got.values())  # only read
     assert corpus.manifest_hash(corpus.scan(corpus.pinned_sources(lock))) == corpus.manifest_hash(corpus.scan(sources))
 
 

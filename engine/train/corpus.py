@@ -160,35 +160,43 @@ def _pip_download(batch: list[Pin], dest: Path) -> None:
 def fetch(lock: Path | None = None, directory: Path | None = None,
           say: Callable[[str], None] = _say) -> dict[Pin, Path]:
     """The pinned archives in `directory` (default corpus_dir()), each verified; missing ones are fetched first with
-    pip (exact version, hash-checked) into a temporary directory and moved in only once they match."""
-    from filelock import FileLock  # several processes may start on an empty cache at once
-
+    pip (exact version, hash-checked) into a temporary directory and moved in only once they match. A complete
+    directory is only read, so a read-only copy serves as well."""
     directory = directory or corpus_dir()
-    todo = list(pins(lock))
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise EngineError(f"cannot create the corpus directory {directory}: {e.strerror}") from None
-    with FileLock(directory / ".fetch.lock"):
-        if missing := [p for p in todo if not (directory / p.filename).is_file()]:
-            say(f"corpus: fetching {len(missing)} pinned archive(s) with pip into {directory} "
-                f"({', '.join(f'{p.name}=={p.version}' for p in missing)})")
-            with tempfile.TemporaryDirectory(dir=directory, prefix=".fetch-") as tmp:
-                for batch in ([p for p in missing if p.is_wheel], [p for p in missing if not p.is_wheel]):
-                    if batch:
-                        _pip_download(batch, Path(tmp))
-                for p in missing:
-                    got = Path(tmp) / p.filename
-                    if not got.is_file():
-                        raise EngineError(f"pip fetched no {p.filename} for {p.name}=={p.version}: "
-                                          "the lock's filename does not match the release")
-                    verify(p, got)
-                    os.replace(got, directory / p.filename)
+    todo = pins(lock)
+    if any(not (directory / p.filename).is_file() for p in todo):
+        try:
+            _fetch_missing(todo, directory, say)
+        except OSError as e:
+            raise EngineError(f"cannot write the corpus directory {directory}: {e.strerror or e}") from None
     out = {}
     for p in todo:
         verify(p, directory / p.filename)
         out[p] = directory / p.filename
     return out
+
+
+def _fetch_missing(todo: tuple[Pin, ...], directory: Path, say: Callable[[str], None]) -> None:
+    from filelock import FileLock  # several processes may start on an empty cache at once
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with FileLock(directory / ".fetch.lock"):
+        missing = [p for p in todo if not (directory / p.filename).is_file()]  # another process may have fetched
+        if not missing:
+            return
+        say(f"corpus: fetching {len(missing)} pinned archive(s) with pip into {directory} "
+            f"({', '.join(f'{p.name}=={p.version}' for p in missing)})")
+        with tempfile.TemporaryDirectory(dir=directory, prefix=".fetch-") as tmp:
+            for batch in ([p for p in missing if p.is_wheel], [p for p in missing if not p.is_wheel]):
+                if batch:
+                    _pip_download(batch, Path(tmp))
+            for p in missing:
+                got = Path(tmp) / p.filename
+                if not got.is_file():
+                    raise EngineError(f"pip fetched no {p.filename} for {p.name}=={p.version}: "
+                                      "the lock's filename does not match the release")
+                verify(p, got)
+                os.replace(got, directory / p.filename)
 
 
 def pinned_sources(lock: Path | None = None, directory: Path | None = None) -> Sources:
