@@ -2,12 +2,13 @@
 # # Targets A and B: the miniature Kimi-K2 and Kimi-K2.5
 #
 # The game plan moves an EAGLE-3 drafter from Kimi-K2 to Kimi-K2.5, a model of the same architecture trained
-# further on newer data. This runbook builds that situation in miniature from what every machine with Python has:
-# the source of the standard library and the installed packages (`engine.train.corpus`).
+# further on newer data. This runbook builds that situation in miniature from Python source: the pinned release
+# archives of well-known pure-Python projects (`engine.train.corpus`, `engine/train/corpus.lock.toml`), the same
+# bytes on every machine, in two groups: "classic" projects written before type hints and modern "typed" ones.
 #
 # - a byte-level BPE tokenizer shared by both targets (as K2 and K2.5 share theirs);
-# - target **A** trained from scratch on mix A (stdlib-heavy) - stands for K2;
-# - target **B** = A trained further on mix B (mostly installed packages) - stands for K2.5.
+# - target **A** trained from scratch on mix A (half classic, half typed) - stands for K2;
+# - target **B** = A trained further on mix B (mostly typed code) - stands for K2.5.
 #
 # Both are Hugging Face checkpoints (`target-a/`, `target-b/` in this runbook's outputs) that transformers and the
 # engine load. Training resumes after a kill. `-p family=deepseek_v3` trains MLA + MoE targets through the same

@@ -17,11 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from specbook import RunFailed
+from specbook import RunFailed, project
 
 ENV_PREFIXES = ("NCCL_", "CUDA_", "TORCH_", "OMP_", "PYTORCH_")  # environment variables that change performance
 
-# Named extra inputs a runbook may declare (`inputs: [corpus]`); each returns a hash of that input.
+# Named extra inputs a runbook may declare (`inputs: [corpus]`): the project's [tool.specbook.inputs]
+# (specbook/project.py), and any registered here in code (e.g. by tests), which win over the configured ones.
+# Each returns a hash of that input.
 INPUTS: dict[str, Callable[[Path], str]] = {}
 
 
@@ -33,16 +35,18 @@ def register_input(name: str):
     return deco
 
 
-@register_input("corpus")
-def _corpus(root: Path) -> str:
-    from engine.train.corpus import manifest_hash  # written by the engine; imported late so specbook runs without it
-
-    return manifest_hash()
+def known_inputs(root: Path) -> list[str]:
+    return sorted(set(project.settings(root).inputs) | set(INPUTS))
 
 
 def input_fingerprint(root: Path, name: str) -> str:
     try:
-        return str(INPUTS[name](root))
+        if name in INPUTS:
+            return str(INPUTS[name](root))
+        target = project.settings(root).inputs.get(name)
+        if target is None:
+            raise KeyError(f"{name} is not in [tool.specbook.inputs] of {root / 'pyproject.toml'}")
+        return str(project.input_function(target)())
     except Exception as e:  # a missing or broken input module must not crash status or list
         raise RunFailed(f"input {name} unavailable: {type(e).__name__}: {e}") from None
 
@@ -60,12 +64,16 @@ def file_hash(path: str | os.PathLike) -> str:
 
 
 def engine_hash(root: Path, source: str | None = None) -> str:
-    """Hash of the engine code a runbook uses (paths and contents): the engine modules its source imports, followed
-    through their own imports, so a change to the server does not make a decode benchmark stale. Without a source,
-    or when it does not parse, all of engine/**/*.py."""
-    files = engine_files(root, source) if source is not None else None
-    if files is None:
-        files = set((root / "engine").rglob("*.py"))
+    """Hash of the engine code a runbook uses (paths and contents): the modules of the configured engine package
+    (tool.specbook.engine_package) its source imports, followed through their own imports, so a change to the server
+    does not make a decode benchmark stale. Without a source, or when it does not parse, all of PACKAGE/**/*.py;
+    without a configured package, no code."""
+    package = project.settings(root).engine_package
+    files: set[Path] | None = set()
+    if package is not None:
+        files = engine_files(root, source, package) if source is not None else None
+        if files is None:
+            files = set((root / package).rglob("*.py"))
     h = hashlib.sha256()
     for p in sorted(files):
         h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
@@ -73,7 +81,7 @@ def engine_hash(root: Path, source: str | None = None) -> str:
 
 
 @functools.lru_cache(maxsize=1024)  # keyed by content: status resolves every runbook on every profile, and each
-def _imported(source: str) -> frozenset[str]:  # walks the same engine modules
+def _imported(source: str, package: str) -> frozenset[str]:  # walks the same engine modules
     """Dotted module names an import statement anywhere in the source may load (`from a import b` may be a.b)."""
     names = set()
     for node in ast.walk(ast.parse(source)):
@@ -82,13 +90,14 @@ def _imported(source: str) -> frozenset[str]:  # walks the same engine modules
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names.add(node.module)
             names.update(f"{node.module}.{a.name}" for a in node.names)
-    return frozenset(n for n in names if n == "engine" or n.startswith("engine."))
+    return frozenset(n for n in names if n == package or n.startswith(package + "."))
 
 
-def engine_files(root: Path, source: str) -> set[Path] | None:
-    """The engine/ files the source imports, transitively, package __init__ files included; None if unparsable."""
+def engine_files(root: Path, source: str, package: str) -> set[Path] | None:
+    """The files of `package` the source imports, transitively, package __init__ files included; None if
+    unparsable."""
     try:
-        todo = list(_imported(source))
+        todo = list(_imported(source, package))
     except SyntaxError:
         return None
     seen: set[str] = set()
@@ -104,7 +113,7 @@ def engine_files(root: Path, source: str) -> set[Path] | None:
             for f in (base.with_suffix(".py"), base / "__init__.py"):
                 if f.is_file() and f not in files:
                     files.add(f)
-                    todo.extend(_imported(f.read_text()))
+                    todo.extend(_imported(f.read_text(), package))
     return files
 
 

@@ -114,7 +114,7 @@ def load(root: Path, name: str) -> Runbook:
         nb = jupytext.read(path, fmt="py:percent")
     except Exception as e:  # jupytext raises many types on odd input
         raise SpecbookError(f"{path}: not a jupytext percent-format notebook: {e}") from None
-    header = _header(path, nb)
+    header = _header(path, nb, root)
     params = _parameters(path, nb)
     rb = Runbook(name=name, path=path, title=header["title"], profiles=header["profiles"], parameters=params,
                  **{k: header[k] for k in ("reproduces", "feeds", "depends", "inputs", "timeout", "cell_timeout",
@@ -138,7 +138,7 @@ def _without_profiles(lines: list[str]) -> list[str]:
     return out
 
 
-def _header(path: Path, nb) -> dict[str, Any]:
+def _header(path: Path, nb, root: Path) -> dict[str, Any]:
     cells = [c for c in nb.cells if c.cell_type == "markdown"]
     m = re.search(r"```ya?ml\s*\n(.*?)```", cells[0].source if cells else "", re.S)
     if not m:
@@ -170,10 +170,11 @@ def _header(path: Path, nb) -> dict[str, Any]:
     for key in ("timeout", "cell_timeout"):
         if key in h and (isinstance(h[key], bool) or not isinstance(h[key], (int, float)) or h[key] <= 0):
             raise SpecbookError(f"{path}: header key {key} must be a positive number of seconds")
-    from specbook.provenance import INPUTS  # the registry of named input fingerprints
+    from specbook.provenance import known_inputs  # the project's configured inputs and those registered in code
 
-    if unknown := [i for i in h["inputs"] if i not in INPUTS]:
-        raise SpecbookError(f"{path}: unknown inputs {unknown} (known: {sorted(INPUTS)})")
+    known = known_inputs(root)
+    if unknown := [i for i in h["inputs"] if i not in known]:
+        raise SpecbookError(f"{path}: unknown inputs {unknown} (known: {known})")
     return h
 
 

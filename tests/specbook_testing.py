@@ -28,7 +28,7 @@ def make_repo(tmp: Path, **runbooks: str) -> Path:
     """A repository root with runbooks/<name>.py (underscores in names become dashes) and an empty baselines/."""
     (tmp / "runbooks").mkdir(parents=True)
     (tmp / "baselines").mkdir()
-    (tmp / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    (tmp / "pyproject.toml").write_text("[project]\nname = 'x'\n\n[tool.specbook]\nengine_package = 'engine'\n")
     for name, text in runbooks.items():
         write_runbook(tmp, name.replace("_", "-"), text)
     return tmp

@@ -9,11 +9,9 @@ import errno
 import json
 import math
 import os
-import random
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -31,39 +29,17 @@ from engine.train.presets import CPU, DrafterRun, TargetRun, target_config, with
 from engine.train.target import train_target
 from engine.train.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
-SCAN = corpus.scan  # the real scan: the `world` fixture patches corpus.scan for the module
-WORDS = "alpha beta gamma delta value index count total items result node parent child key data".split()
-
-
-def fake_module(rng: random.Random, i: int) -> str:
-    lines = [f'"""Module {i}."""', "import os", ""]
-    for f in range(rng.randint(4, 8)):
-        a, b = rng.sample(WORDS, 2)
-        lines += [f"def {a}_{b}_{f}({a}, {b}=None):", f"    if {b} is None:", f"        {b} = len({a})",
-                  f"    for {rng.choice(WORDS)} in range({b}):", f"        {a} = {a} + {rng.randint(0, 9)}",
-                  f"    return {a}", ""]
-    return "\n".join(lines) + "\n"
-
-
-def make_tree(root: Path, n_std: int = 160, n_pkg: int = 160) -> tuple:
-    rng = random.Random(0)
-    std, pkg = root / "stdlib", root / "site-packages"
-    for base, n in ((std, n_std), (pkg, n_pkg)):
-        for i in range(n):
-            p = base / f"m{i // 20}" / f"f{i}.py"
-            p.parent.mkdir(parents=True, exist_ok=True)
-            p.write_text(fake_module(rng, i))
-    return (("stdlib", (std,)), ("packages", (pkg,)))
+from corpus_testing import make_archives
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A synthetic corpus patched in as the machine's corpus, a tokenizer, and a briefly trained tiny target."""
     root = tmp_path_factory.mktemp("world")
-    roots = make_tree(root / "src")
+    roots = make_archives(root / "src")
     mp = pytest.MonkeyPatch()
     files = corpus.scan(roots)
-    mp.setattr(corpus, "scan", lambda roots=None: files)
+    mp.setattr(corpus, "scan", lambda sources=None: files)
     tok = train_tokenizer(corpus.texts("A", "train", 10**9), 300)
     tok_dir = save_tokenizer(tok, root / "tok")
     cfg = tiny_config(tok.get_vocab_size())
@@ -80,54 +56,6 @@ def tiny_config(vocab: int, family: str = "llama") -> ModelConfig:
                                                  num_attention_heads=4, num_key_value_heads=2,
                                                  max_position_embeddings=256, rope_theta=10000.0))
     return target_config(preset, family, vocab_size=vocab)
-
-
-# ---- corpus -----------------------------------------------------------------------------------------------------
-
-def test_corpus_dedupes_by_content_and_splits_by_hash(tmp_path):
-    roots = make_tree(tmp_path, 40, 40)
-    first = SCAN(roots)
-    dup = tmp_path / "site-packages" / "copy" / "same.py"
-    dup.parent.mkdir()
-    dup.write_text((tmp_path / "stdlib" / "m0" / "f0.py").read_text())
-    (tmp_path / "site-packages" / "tiny.py").write_text("x = 1\n")  # below MIN_FILE_BYTES
-    again = SCAN(roots + (("extra", ()),))  # another cache key: a fresh scan
-    assert [f.digest for f in again] == [f.digest for f in first]  # the copy and the stub add nothing
-    assert len({f.digest for f in first}) == len(first) == 80
-    splits = {f.digest: f.split for f in first}
-    assert set(splits.values()) == {"train", "validation", "test"}
-    # a file's split depends on its content only, not on which other files exist
-    half = SCAN((("stdlib", (tmp_path / "stdlib",)),))
-    assert all(splits[f.digest] == f.split for f in half)
-    assert corpus.manifest_hash(first) != corpus.manifest_hash(half)
-    assert corpus.manifest_hash(first) == corpus.manifest_hash(again)
-
-
-def test_corpus_mixes_differ_and_prompts_come_from_test_files(world):
-    a = corpus.select("A", "train", 60_000)
-    b = corpus.select("B", "train", 60_000)
-    share = lambda fs: sum(f.size for f in fs if f.group == "stdlib") / sum(f.size for f in fs)  # noqa: E731
-    assert 0.4 < share(a) < 0.6 and share(b) < 0.2
-    prompts = corpus.prompts(3, chars=200)
-    test_texts = corpus.texts("A", "test", 10**9)
-    assert len(prompts) == 3 and all(any(p in t for t in test_texts) for p in prompts)
-    assert all(p.endswith("\n") and len(p) <= 200 for p in prompts)
-
-
-def test_mix_shares_hold_when_a_group_runs_short(tmp_path):
-    files = SCAN(make_tree(tmp_path, 20, 200))
-    a = corpus.select("A", "train", 10**9, files)
-    stdlib = sum(f.size for f in a if f.group == "stdlib")
-    assert stdlib == sum(f.size for f in files if f.group == "stdlib" and f.split == "train")  # all of it ...
-    assert 0.4 < stdlib / sum(f.size for f in a) < 0.6  # ... and still half the mix
-
-
-def test_empty_corpus_is_a_clear_error(tmp_path):
-    roots = (("stdlib", (tmp_path,)), ("packages", ()))
-    files = SCAN(roots)
-    assert files == ()
-    with pytest.raises(EngineError, match="empty corpus"):
-        corpus.select("A", "train", 1000, files)
 
 
 # ---- tokenizer --------------------------------------------------------------------------------------------------
@@ -220,8 +148,8 @@ from engine.train.target import train_target
 sys.path.insert(0, {tests!r})
 from test_train import tiny_config
 torch.set_num_threads(1)
-files = corpus.scan((("stdlib", (Path({src!r}) / "stdlib",)), ("packages", (Path({src!r}) / "site-packages",))))
-corpus.scan = lambda roots=None: files
+files = corpus.scan(tuple((g, tuple(Path(p) for p in ps)) for g, ps in {roots!r}))
+corpus.scan = lambda sources=None: files
 run = TargetRun(mix="A", steps=200, lr=1e-2, warmup=4, batch_size=4, seq_len=32, data_bytes=10**9, ckpt_every=5)
 train_target(sys.argv[1], run, {tok!r}, tiny_config({vocab}))
 """
@@ -229,7 +157,7 @@ train_target(sys.argv[1], run, {tok!r}, tiny_config({vocab}))
 
 def test_resume_after_sigkill_ends_in_the_same_state(world, tmp_path):
     script = tmp_path / "run.py"
-    script.write_text(RESUME_SCRIPT.format(tests=str(Path(__file__).parent), src=str(world["root"] / "src"),
+    script.write_text(RESUME_SCRIPT.format(tests=str(Path(__file__).parent), roots=tuple((g, tuple(map(str, ps))) for g, ps in world["roots"]),
                                            tok=str(world["tok_dir"]), vocab=world["tok"].get_vocab_size()))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = lambda out: [sys.executable, str(script), str(out)]  # noqa: E731

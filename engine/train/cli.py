@@ -22,10 +22,17 @@ def device_option(f):
 
 
 @train_command.command("corpus")
-def corpus_cmd() -> None:
-    """Files and bytes per group and split of this machine's corpus, and its manifest hash."""
+@click.option("--fetch", "fetch_only", is_flag=True,
+              help="Only fetch and verify the pinned archives; prints the directory to copy to a machine without "
+                   "network (there: SPECBOOK_CORPUS_DIR=that copy).")
+def corpus_cmd(fetch_only: bool) -> None:
+    """Files and bytes per group and split of the pinned corpus, and its manifest hash (fetched on first use)."""
     from engine.train import corpus
 
+    if fetch_only:
+        paths = corpus.fetch()
+        click.echo(f"{len(paths)} archives verified in {corpus.corpus_dir()}")
+        return
     for key, row in corpus.stats().items():
         click.echo(f"{key:22s} {row['files']:7d} files {row['bytes'] / 1e6:9.1f} MB")
     click.echo(f"manifest_hash {corpus.manifest_hash()}")

@@ -87,18 +87,19 @@ CPU = Preset(
     eval_prompts=8, prompt_chars=600, max_new_tokens=48,
 )
 
-GPU = Preset(  # sized for one H200 inside a lent session's device time: ~169M parameters, a few minutes in all
+GPU = Preset(  # sized for one H200 inside a lent session's device time: ~169M parameters, a few minutes in all;
+    # data_bytes stays within what the pinned corpus holds per mix (`python -m engine train corpus`)
     name="gpu",
     vocab_size=16384,
     tokenizer_bytes=20_000_000,
     model=dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
                num_key_value_heads=4, max_position_embeddings=4096, rope_theta=10000.0),
     target_a=TargetRun(mix="A", steps=400, lr=1e-3, warmup=40, batch_size=32, seq_len=1024,
-                       data_bytes=60_000_000, ckpt_every=200, eval_every=200, eval_batches=8),
+                       data_bytes=40_000_000, ckpt_every=200, eval_every=200, eval_batches=8),
     target_b=TargetRun(mix="B", steps=150, lr=5e-4, warmup=15, batch_size=32, seq_len=1024,
-                       data_bytes=60_000_000, ckpt_every=150, eval_every=150, eval_batches=8, seed=1),
+                       data_bytes=40_000_000, ckpt_every=150, eval_every=150, eval_batches=8, seed=1),
     drafter=DrafterRun(mix="A", steps=600, lr=1e-3, warmup=40, batch_size=16, seq_len=1024,
-                       data_bytes=60_000_000, draft_vocab_size=8192, samples=4096, regen_tokens=256,
+                       data_bytes=40_000_000, draft_vocab_size=8192, samples=4096, regen_tokens=256,
                        regen_batch=512, ckpt_every=300),
     finetune=DrafterRun(mix="B", steps=200, lr=3e-4, warmup=20, batch_size=16, seq_len=1024,
                         data_bytes=20_000_000, draft_vocab_size=8192, samples=1024, regen_tokens=256,

@@ -74,8 +74,11 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float) -> to
 
 
 def file_digest(path: Path) -> str:
+    h = hashlib.sha256()  # read in blocks (hashlib.file_digest needs Python 3.11)
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
 
 
 def check_vocab(cfg: ModelConfig, tokenizer_dir: Path, vocab: int) -> None:

@@ -1,0 +1,71 @@
+"""The project's own settings for specbook, from `[tool.specbook]` in the repository's pyproject.toml:
+
+    [tool.specbook]
+    engine_package = "engine"      # the package whose code a runbook's engine hash covers (engine_hash)
+    [tool.specbook.inputs]         # named inputs a runbook may declare (`inputs: [corpus]`)
+    corpus = "engine.train.corpus:manifest_hash"   # module:function, called without arguments, returns a hash
+
+specbook itself names no project package: what it fingerprints is configured here.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from specbook import SpecbookError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+_TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_PACKAGE = re.compile(r"^[A-Za-z_]\w*$")
+
+
+@dataclass(frozen=True)
+class Settings:
+    engine_package: str | None = None  # None: no engine code is fingerprinted
+    inputs: dict[str, str] = field(default_factory=dict)  # name -> "module:function"
+
+
+def settings(root: Path) -> Settings:
+    path = Path(root) / "pyproject.toml"
+    try:
+        stat = path.stat()
+    except OSError:
+        return Settings()
+    return _load(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=16)  # keyed by mtime and size: `runbook status` asks once per runbook and profile
+def _load(path: Path, mtime_ns: int, size: int) -> Settings:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise SpecbookError(f"{path}: unreadable: {e}") from None
+    tool = data.get("tool", {}).get("specbook", {})
+    if not isinstance(tool, dict):
+        raise SpecbookError(f"{path}: [tool.specbook] must be a table")
+    package = tool.get("engine_package")
+    if package is not None and not (isinstance(package, str) and _PACKAGE.match(package)):
+        raise SpecbookError(f"{path}: tool.specbook.engine_package must be a top-level package name, not {package!r}")
+    inputs = tool.get("inputs", {})
+    if not isinstance(inputs, dict):
+        raise SpecbookError(f"{path}: [tool.specbook.inputs] must be a table of name = \"module:function\"")
+    for name, target in inputs.items():
+        if not (isinstance(target, str) and _TARGET.match(target)):
+            raise SpecbookError(f"{path}: tool.specbook.inputs.{name} must be \"module:function\", not {target!r}")
+    return Settings(package, dict(inputs))
+
+
+def input_function(target: str) -> Callable[[], object]:
+    """The function a "module:function" input names (imported now: a missing module raises ImportError)."""
+    module, _, func = target.partition(":")
+    return getattr(importlib.import_module(module), func)
