@@ -30,11 +30,11 @@ class Metric:
     value: float
     unit: str
     direction: str = "higher"
-    kind: str = "noisy"
     rel_tol: float = 0.0
     abs_tol: float = 0.0
     samples: list[float] = field(default_factory=list)
     description: str = ""
+    kind: str = "noisy"  # noisy | exact (KINDS)
 
 
 def _number(what: str, x: object) -> float:

@@ -168,8 +168,9 @@ def test_record_api(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().out == "tok_s = 12 tok/s\n"
     out = tmp_path / "r.jsonl"
     monkeypatch.setenv("SPECBOOK_RECORD_FILE", str(out))
-    record("tok_s", 12, unit="tok/s", samples=[11, 13], rel_tol=0.2)
-    assert read_metrics(out) == [Metric("tok_s", 12.0, "tok/s", "higher", 0.2, 0.0, [11.0, 13.0])]
+    record("tok_s", 12, unit="tok/s", samples=[11, 13], rel_tol=0.1)
+    # a noisy number's tolerance: twice the samples' relative spread (2/12), capped at 25%
+    assert read_metrics(out) == [Metric("tok_s", 12.0, "tok/s", "higher", 0.25, 0.0, [11.0, 13.0])]
     record("tok_s", 13, unit="tok/s")
     with pytest.raises(ValueError, match="recorded twice"):
         read_metrics(out)
@@ -183,6 +184,11 @@ def test_record_api(tmp_path, monkeypatch, capsys):
     (dict(name="x", value=1, direction="up"), "direction of x"),
     (dict(name="x", value=1, rel_tol=-0.1), "must be >= 0"),
     (dict(name="x", value=1, samples=[1, "a"]), "sample of x"),
+    (dict(name="x", value=1, rel_tol=0.3), "at most 0.25"),  # a noisy tolerance that would pass a slowdown
+    (dict(name="x", value=1, abs_tol=0.5), "must be relative"),
+    (dict(name="x", value=1, direction="none", rel_tol=0.01), "exact x must be at most"),
+    (dict(name="x", value=100, kind="exact", abs_tol=1), "exact x must be at most"),
+    (dict(name="x", value=1, kind="fuzzy"), "kind of x"),
 ])
 def test_record_rejects_bad_input(kwargs, message):
     with pytest.raises(ValueError, match=message):
