@@ -198,7 +198,6 @@ def test_an_internal_failure_is_one_line_and_exit_1(monkeypatch):
 
 
 def test_generate_bench_and_serve_share_the_model_options():
-    pytest.importorskip("fastapi")
     names = {c: {p.name for p in cli.commands[c].params} for c in ("generate", "bench", "serve")}
     shared = {"target", "shape", "drafter", "device", "dtype", "max_seq_len", "cuda_graphs", "steps", "topk",
               "draft_tokens", "eager_verify", "compile_", "debug"}

@@ -155,7 +155,8 @@ def test_fingerprint_sees_env_and_sitecustomize(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_profile_and_fingerprint():
-    torch = pytest.importorskip("torch")
+    import torch
+
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     provenance.gpus.cache_clear()

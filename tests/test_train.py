@@ -99,7 +99,6 @@ def test_finished_run_is_reused_and_other_parameters_refused(world):
 
 
 def test_deepseek_family_trains_through_the_same_path(world, tmp_path):
-    pytest.importorskip("engine.deepseek")
     cfg = tiny_config(world["tok"].get_vocab_size(), "deepseek_v3")
     run = dataclasses.replace(world["run"], steps=12)
     r = train_target(tmp_path / "ds", run, world["tok_dir"], cfg)
