@@ -205,6 +205,8 @@ def llms_txt(root: Path | str) -> str:
              "## Docs", ""]
     for path, meta, body in _pages(Path(root)):
         lines.append(f"- [{meta.get('title', path)}]({_url(path)}): {_summary(body)}")
+    lines.append("- [Status of every documented number](status/): value, state (current, stale, reported), where "
+                 "and when it was measured")
     lines += ["", "## Optional", "", "- [Full text](llms-full.txt): all pages in one file"]
     return "\n".join(lines) + "\n"
 
@@ -215,6 +217,8 @@ def llms_full_txt(root: Path | str) -> str:
     for path, meta, body in _pages(root):
         parts.append(f"\n---\n\n<!-- page: docs/{path} status: {meta.get('status')} updated: {meta.get('updated')} -->"
                      f"\n\n{body.strip()}\n")
+    _, start = claims.split_front_matter(status := status_page(root))
+    parts.append(f"\n---\n\n<!-- page: {STATUS_PAGE.as_posix()} (generated) -->\n\n{status[start:].strip()}\n")
     return "".join(parts)
 
 

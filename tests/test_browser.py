@@ -94,4 +94,4 @@ def test_dashboard_numbers_equal_the_records(page, base_url, built):
     for key, value in expected.items():
         assert float(shown[key]) == pytest.approx(value, rel=1e-5), key
     badge = page.locator('td.value[data-record="baseline-k25-sglang/8x-rtx-pro-6000/baseline_tok_s"] ~ td .verdict')
-    assert badge.inner_text() == "not verifiable here"
+    assert badge.inner_text() == "reported"

@@ -29,23 +29,28 @@ def test_dashboard_shows_every_record(built):
     assert values and set(shown) == set(values)
     for key, value in values.items():
         assert float(shown[key]) == pytest.approx(value, rel=1e-5), key
-    assert "verdict-not-verifiable-here" in page and "8x NVIDIA RTX PRO 6000" in page
+    assert "verdict-reported" in page and "8x NVIDIA RTX PRO 6000" in page
     for svg in re.findall(r'src="([^"]+\.svg)"', page):
         assert (site_dir / "dashboard" / svg).read_text().lstrip().startswith("<?xml")
 
 
 def test_reported_numbers_carry_an_admonition(built):
     page = (built[0] / "findings" / "index.html").read_text()
-    assert 'class="admonition info"' in page and "not verifiable here" in page
+    assert 'class="admonition info"' in page and "Some numbers here are reported" in page
     assert '<span class="claim" title="baseline-k25-sglang/8x-rtx-pro-6000/baseline_tok_s' in page
 
 
 def test_llms_txt_lists_every_page(built):
     index = (built[0] / "llms.txt").read_text()
     full = (built[0] / "llms-full.txt").read_text()
-    for page in ("findings/", "decisions/", "game-plan/", "glossary/", "runbooks/"):
+    for page in ("findings/", "decisions/", "game-plan/", "glossary/", "runbooks/", "status/"):
         assert f"]({page})" in index
-    assert "Abandon the CUDA-graph verify path" in full and "# Baselines dashboard" in full
+    assert "Abandon the CUDA-graph verify path" in full and "# Status of every documented number" in full
+
+
+def test_generated_files_are_committed_and_up_to_date():
+    """docs/status.md and the llms files are read where they lie (GitHub, an agent's checkout): CI keeps them true."""
+    assert site.out_of_date(ROOT) == [], "run `runbook site` and commit"
 
 
 def test_dashboard_history_plot(tmp_path):
@@ -58,13 +63,13 @@ def test_dashboard_history_plot(tmp_path):
         "history": [{"value": 14.0, "run": "a"}, {"value": 12.5, "run": "a"}]}
     records.save(rf)
     text, plots = site.dashboard(tmp_path)
-    assert 'data-record="bench/cpu/ms">12.5<' in text and "not verifiable here" in text
+    assert 'data-record="bench/cpu/ms">12.5<' in text and "verdict-reported" in text
     assert list(plots) == ["dashboard/bench-cpu.svg"] and "<svg" in plots["dashboard/bench-cpu.svg"]
 
 
 def test_context_fits_budget_and_has_the_essentials():
     full = build_context(ROOT, budget=4000)
-    assert "baseline-k25-sglang @ 8x-rtx-pro-6000 [not verifiable here]" in full and "baseline_tok_s 82.5 tok/s" in full
+    assert "baseline-k25-sglang @ 8x-rtx-pro-6000 [reported]" in full and "baseline_tok_s 82.5 tok/s" in full
     assert "D1: Abandon the CUDA-graph verify path" in full and "## Next steps" in full
     assert 'Open because: "architectural limit" was concluded, not measured.\n' in full  # why's first sentence
     assert "D1: Abandon" in build_context(ROOT, budget=700)  # numbers do not crowd out the open decisions
