@@ -311,9 +311,10 @@ def _check_docs(root: Path) -> list:
 @click.pass_obj
 @click.pass_context
 def site_(ctx: click.Context, obj: Ctx, check: bool) -> None:
-    """Write the committed generated files: docs/status.md (every documented number with its state), docs/llms.txt
-    and docs/llms-full.txt (the docs for agents). `runbook run --record` does this too."""
-    from specbook import site
+    """Bring what is generated from the records up to date: claim literals in docs/ and README.md, docs/status.md
+    (every documented number with its state), docs/llms.txt and docs/llms-full.txt (the docs for agents). `runbook
+    run --record` does this too; after copying records made elsewhere (a GPU machine), run it and commit."""
+    from specbook import claims, site
 
     root = obj.root
     if check:
@@ -321,8 +322,8 @@ def site_(ctx: click.Context, obj: Ctx, check: bool) -> None:
         for p in stale:
             click.echo(f"{p.relative_to(root)}: out of date; run `runbook site`")
         ctx.exit(1 if stale else 0)
-    changed = site.write_generated(root)
-    click.echo("\n".join(f"wrote {p.relative_to(root)}" for p in changed) or "generated files are up to date")
+    changed = [*claims.refresh_docs(root), *site.write_generated(root)]
+    click.echo("\n".join(f"wrote {Path(p).relative_to(root)}" for p in changed) or "generated files are up to date")
 
 
 @main.command("status")

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Run runbooks on a lent GPU machine that has no network: one chain of `runbook` commands per GPU, in parallel.
+#
+#   scripts/gpu-runbooks.sh "run --record train-target;run --record baseline-eagle3" "verify --profile h200 baseline-decode"
+#
+# Each argument is one GPU's chain: `runbook` commands separated by ';', run in order on that GPU
+# (CUDA_VISIBLE_DEVICES). Before them it installs the wheels carried in .whl/ (papermill, jupytext, ipykernel...:
+# docs/environment.md says how to make them) and points the training corpus at the archives carried in
+# corpus-archives/ (`python -m engine train corpus --fetch` with SPECBOOK_CORPUS_DIR there). Set SPECBOOK_GIT_COMMIT
+# to the commit the tree was sent at: the copy has no .git, and the records name it. Everything a run wrote that a
+# commit needs (baselines/, docs/runbooks/executed/) and one log per GPU are packed into $OUT/results.tgz.
+# Exit: 0 when every command succeeded, else the first failing command's code (each chain still runs to its end).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+[ "$#" -ge 1 ] || { echo "usage: $0 'CMD;CMD' ['CMD;CMD' ...]  (one chain per GPU)" >&2; exit 2; }
+[ -n "${SPECBOOK_GIT_COMMIT:-}" ] || { echo "set SPECBOOK_GIT_COMMIT to the commit this tree was sent at" >&2; exit 2; }
+out=${OUT:-/tmp/gpu-runbooks}
+mkdir -p "$out" logs
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "could not install the carried wheels" >&2; exit 3; }
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export SPECBOOK_CORPUS_DIR=$PWD/corpus-archives PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
+
+gpu=0
+pids=()
+for chain in "$@"; do
+  (
+    export CUDA_VISIBLE_DEVICES=$gpu
+    rc=0
+    IFS=';' read -ra cmds <<< "$chain"
+    for cmd in "${cmds[@]}"; do
+      echo "== gpu $gpu: runbook $cmd ($(date -u +%H:%M:%S))"
+      # shellcheck disable=SC2086 - a command is words
+      python3 -m specbook.cli $cmd || { c=$?; echo "== gpu $gpu: exit $c: runbook $cmd"; [ "$rc" -ne 0 ] || rc=$c; }
+    done
+    exit "$rc"
+  ) > "logs/gpu$gpu.log" 2>&1 &
+  pids+=($!)
+  gpu=$((gpu + 1))
+done
+
+rc=0
+for pid in "${pids[@]}"; do
+  wait "$pid" || { c=$?; [ "$rc" -ne 0 ] || rc=$c; }
+done
+tail -n 40 logs/gpu*.log
+tar czf "$out/results.tgz" baselines docs/runbooks/executed logs
+exit "$rc"
