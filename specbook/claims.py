@@ -372,7 +372,7 @@ def plan_refresh(root: Path | str, runbooks: Iterable[str] | None = None) -> lis
     """Edits that bring claim literals in line with the records (claims without a record are left alone)."""
     root, only, cache = Path(root), set(runbooks) if runbooks is not None else None, {}
     edits = []
-    for path in doc_files(root):
+    for path in [*doc_files(root), *extra_files(root)]:
         text = path.read_text()
         new, shift = text, 0
         for claim in parse_claims(text, path.relative_to(root).as_posix())[0]:
