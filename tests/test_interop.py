@@ -1,12 +1,14 @@
 """Interop with the ecosystem's own loaders: a drafter exported to vLLM's `speculators` format loads in speculators
-and drafts the same logits there, from the target layers speculators names; a drafter in SpecForge's output layout
-loads here and drafts what its weights mean.
+and drafts the same logits there, from the target layers speculators names; a drafter written by SpecForge's own
+exporters loads here and drafts the logits SpecForge's module computes.
 
-The speculators tests need the optional extra (`pip install -e '.[interop]' && pip install --no-deps
-speculators==0.9.0`, see pyproject.toml); CI installs it. SpecForge itself cannot be installed beside this project
-(it pins torch 2.11 and sglang), so its layout is written here as its exporters write it (specforge 0.2.0,
-export/to_sglang.py and export/to_hf.py: `model.save_pretrained` of `LlamaForCausalLMEagle3`, a transformers
-LlamaConfig with `draft_vocab_size` and `eagle_config`, weights named as the module's attributes).
+Both need the optional extra and two packages installed without their dependencies (speculators pulls CUDA builds
+of torchvision/torchaudio that break transformers' import on a CPU torch; SpecForge pins torch 2.11 and sglang, yet
+its draft model and exporters import with this project's packages):
+
+    pip install -e '.[interop]' && pip install --no-deps speculators==0.9.0 specforge==0.2.0
+
+CI installs them; elsewhere these tests are skipped with that line as the reason.
 """
 import dataclasses
 import importlib.util
@@ -15,7 +17,7 @@ import json
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from engine.config import ModelConfig
 from engine.drafter import load_drafter, new_drafter, save_drafter
@@ -24,9 +26,11 @@ from engine.interop import SPECBOOK_KEY, export_speculators
 from engine.loading import load_model, random_model, save_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-needs_speculators = pytest.mark.skipif(
-    importlib.util.find_spec("speculators") is None,
-    reason="speculators not installed: pip install -e '.[interop]' && pip install --no-deps speculators==0.9.0")
+INSTALL = "pip install -e '.[interop]' && pip install --no-deps speculators==0.9.0 specforge==0.2.0"
+needs_speculators = pytest.mark.skipif(importlib.util.find_spec("speculators") is None,
+                                       reason=f"speculators not installed: {INSTALL}")
+needs_specforge = pytest.mark.skipif(importlib.util.find_spec("specforge") is None,
+                                     reason=f"specforge not installed: {INSTALL}")
 
 # 8 layers: the default feature layers (2, 4, 5) are distinct, as speculators requires; the drafter takes others,
 # (1, 3, 6), so that a converter falling back to its default, or reading SGLang's ids as its own, is caught.
@@ -164,8 +168,8 @@ def test_lean_export_takes_the_embedding_from_the_verifier(drafter_dir, target_d
 
 @needs_speculators
 @pytest.mark.parametrize("break_", ["d2t off by one", "sglang layer ids", "speculators default layer ids"])
-def test_comparison_catches_a_wrong_vocabulary_map_or_layer_ids(exported, theirs, hf_target, target, drafter_dir,
-                                                                tokens, break_):
+def test_comparison_catches_a_wrong_vocabulary_map_or_layer_ids(exported, hf_target, target, drafter_dir, tokens,
+                                                                break_):
     # the check above must fail on what a careless export gets wrong: d2t, and the layer-id convention
     model = load_speculators(exported)
     if break_ == "d2t off by one":
@@ -201,57 +205,107 @@ def test_export_refuses_a_drafter_for_another_target(drafter_dir, tmp_path):
         export_speculators(drafter_dir, other, tmp_path / "out")
 
 
-# ---- SpecForge's output layout ---------------------------------------------------------------------------------
+# ---- SpecForge's exporters ------------------------------------------------------------------------------------
 
-def write_specforge_layout(path, drafter, with_embedding: bool, **config_extra) -> None:
-    """What specforge 0.2.0's exporters write: save_pretrained of LlamaForCausalLMEagle3 (config: a transformers
-    LlamaConfig, which in transformers 5 keeps rope_theta only inside rope_parameters; SpecForge numbering of
-    the feature layers in eagle_config) and its state dict (to_hf adds the target's embedding, to_sglang drops it)."""
-    mc = drafter.cfg.model
-    cfg = transformers.LlamaConfig(
-        vocab_size=mc.vocab_size, hidden_size=mc.hidden_size, intermediate_size=mc.intermediate_size,
-        num_hidden_layers=1, num_attention_heads=mc.num_attention_heads, num_key_value_heads=mc.num_key_value_heads,
-        rms_norm_eps=mc.rms_norm_eps, max_position_embeddings=mc.max_position_embeddings, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": mc.rope_theta})
-    cfg.architectures = ["LlamaForCausalLMEagle3"]
-    cfg.draft_vocab_size = drafter.cfg.draft_vocab_size
-    cfg.eagle_config = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in drafter.aux_layers]}
-    for k, v in config_extra.items():
-        setattr(cfg, k, v)
-    cfg.save_pretrained(path)
-    src = path / "ours"
-    save_drafter(drafter, src)  # our layout has SpecForge's names: take the tensors from there
-    sd = load_file(str(src / "model.safetensors"))
-    if with_embedding:
-        sd["embed_tokens.weight"] = drafter.embedding.weight.detach().clone()
-    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
-    for f in src.iterdir():
-        f.unlink()
-    src.rmdir()
+# A SpecForge draft config (its configs/*.json) for TARGET: feature layers in SpecForge's numbering, [0, 2, 5] for
+# the streams entering layers 1, 3, 6; a RoPE base that is neither the target's nor the engine's default, so that a
+# config read wrongly changes the logits.
+SPECFORGE_DRAFT = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "vocab_size": 256,
+                   "draft_vocab_size": DRAFT_VOCAB, "hidden_size": 64, "intermediate_size": 80,
+                   "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+                   "max_position_embeddings": 256, "rope_theta": 2500.0, "tie_word_embeddings": False,
+                   "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in AUX]}}
 
 
-@pytest.mark.parametrize("with_embedding", [False, True], ids=["to_sglang", "to_hf"])
-def test_specforge_layout_loads_and_drafts_what_its_weights_mean(tmp_path, target, tokens, with_embedding):
-    # a RoPE base that is neither the target's nor the engine's default: a config read wrongly changes the logits
-    source = make_drafter(target, rope_theta=2500.0)
-    write_specforge_layout(tmp_path, source, with_embedding)
-    cfg = json.loads((tmp_path / "config.json").read_text())
-    assert "rope_theta" not in cfg and cfg["rope_parameters"]["rope_theta"] == 2500.0  # transformers 5 spelling
-    loaded = load_drafter(tmp_path, target)
-    assert loaded.aux_layers == AUX  # SpecForge's ids [0, 2, 5] name the layers entering 1, 3, 6
-    assert (loaded.embed_tokens is not None) == with_embedding
-    torch.testing.assert_close(our_logits(target, loaded, tokens), our_logits(target, source, tokens))
+def specforge_model(config_path, dtype):
+    from specforge.modeling.auto import AutoDraftModel, AutoDraftModelConfig
+
+    return AutoDraftModel.from_config(AutoDraftModelConfig.from_file(str(config_path)), torch_dtype=dtype).eval()
 
 
-@pytest.mark.parametrize("key,value", [("fc_norm", True), ("norm_output", False), ("norm_before_fc", True)])
-def test_specforge_options_the_engine_cannot_run_are_refused(tmp_path, target, key, value):
-    # each changes the draft math (SpecForge 0.2.0 LlamaForCausalLMEagle3: fc_norm adds fc_norm.{0,1,2}.weight,
-    # norm_output False drops the final norm from the logits; norm_before_fc is speculators' gpt-oss variant)
-    write_specforge_layout(tmp_path, make_drafter(target), False, **{key: value})
-    if key == "fc_norm":
-        f = tmp_path / "model.safetensors"
-        sd = load_file(str(f))
-        sd.update({f"fc_norm.{i}.weight": torch.ones(TARGET.hidden_size) for i in range(3)})
-        save_file(sd, str(f))
+def specforge_checkpoint(tmp_path, **config_extra):
+    """A SpecForge training checkpoint (training_state.pt, as its CheckpointManager writes it) of a random bf16
+    drafter, and its draft config file."""
+    config_path = tmp_path / "draft.json"
+    config_path.write_text(json.dumps({**SPECFORGE_DRAFT, **config_extra}))
+    model = specforge_model(config_path, torch.bfloat16)  # SpecForge trains and exports in bf16
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randperm(TARGET.vocab_size, generator=torch.Generator().manual_seed(3))[:DRAFT_VOCAB].sort().values
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g) if "norm" in name
+                    else 0.05 * torch.randn(p.shape, generator=g))
+        model.d2t.copy_(ids - torch.arange(DRAFT_VOCAB))
+        model.t2d.zero_()
+        model.t2d[ids] = True
+    state = {"strategy": "eagle3", "draft_state_dict": {k: v for k, v in model.state_dict().items()
+                                                        if "embed" not in k}}  # as its checkpoints: no embedding
+    torch.save(state, tmp_path / "training_state.pt")
+    return config_path, tmp_path / "training_state.pt", state["draft_state_dict"]
+
+
+@torch.no_grad()
+def specforge_logits(config_path, state_dict, embedding, target, tokens) -> torch.Tensor:
+    """SpecForge's own module (fp32, sdpa) on the same weights: fc, the draft layer with its causal mask, logits."""
+    model = specforge_model(config_path, torch.float32)
+    model.load_state_dict({**{k: v.float() if v.is_floating_point() else v for k, v in state_dict.items()},
+                           "embed_tokens.weight": embedding.float()})
+    _, feats = target(tokens, torch.arange(T), hidden_layers=AUX)
+    h = model.project_hidden_states(feats[:, :-1])
+    mask = model.prepare_decoder_attention_mask(attention_mask=torch.ones(1, T - 1, dtype=torch.bool),
+                                                hidden_states=h, batch_size=1, seq_length=T - 1,
+                                                past_key_values_length=0)
+    out = model.backbone(input_embeds=model.embed_input_ids(tokens[:, 1:]), hidden_states=h, cache_hidden=[[], []],
+                         attention_mask=mask, position_ids=torch.arange(T - 1)[None], use_cache=False)
+    return in_target_vocab(model.compute_logits(out)[0], model.d2t)
+
+
+@needs_specforge
+@pytest.mark.parametrize("exporter", ["to_sglang", "to_hf", "to_sglang, transformers 5 rope fields only"])
+def test_specforge_export_loads_and_drafts_specforge_logits(tmp_path, target_dir, target, tokens, exporter,
+                                                            monkeypatch):
+    from specforge.export.to_hf import export_to_hf
+    from specforge.export.to_sglang import export_to_sglang
+
+    config_path, state_path, state_dict = specforge_checkpoint(tmp_path)
+    out = tmp_path / "export"
+    if exporter == "to_hf":  # ships the target's embedding (in bf16)
+        export_to_hf(str(state_path), str(config_path), str(out), embedding_source=str(target_dir))
+    else:
+        if "rope fields only" in exporter:
+            monkeypatch.setenv("SPECFORGE_DISABLE_LEGACY_ROPE_SCALING", "1")
+        export_to_sglang(str(state_path), str(config_path), str(out))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert ("rope_theta" in cfg) != ("rope fields only" in exporter)  # then only rope_parameters has it
+
+    loaded = load_drafter(out, target)
+    assert loaded.aux_layers == AUX  # SpecForge's ids [0, 2, 5]
+    weights = load_file(str(out / "model.safetensors"))
+    assert (loaded.embed_tokens is not None) == ("embed_tokens.weight" in weights) == (exporter == "to_hf")
+    embedding = weights.get("embed_tokens.weight", target.embed_tokens.weight)  # SGLang shares the target's
+    torch.testing.assert_close(our_logits(target, loaded, tokens),
+                               specforge_logits(config_path, state_dict, embedding, target, tokens))
+
+
+@needs_specforge
+@pytest.mark.parametrize("option", [{"fc_norm": True}, {"norm_output": False}])
+def test_specforge_options_the_engine_cannot_run_are_refused(tmp_path, target, option):
+    # each changes SpecForge's draft math: per-feature norms before fc, logits without the final norm
+    from specforge.export.to_sglang import export_to_sglang
+
+    config_path, state_path, _ = specforge_checkpoint(tmp_path, **option)
+    export_to_sglang(str(state_path), str(config_path), str(tmp_path / "export"))
+    key = next(iter(option))
     with pytest.raises(EngineError, match=f"{key}=.*not supported"):
+        load_drafter(tmp_path / "export", target)
+
+
+def test_speculators_gpt_oss_option_is_refused(tmp_path, target):
+    # speculators' converter reads norm_before_fc from a research-layout config (a norm over the concatenated
+    # features before fc); the engine does not implement it
+    save_drafter(make_drafter(target), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "norm_before_fc": True}))
+    with pytest.raises(EngineError, match="norm_before_fc=true.*not supported"):
         load_drafter(tmp_path, target)
