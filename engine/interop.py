@@ -76,7 +76,7 @@ def export_speculators(drafter_dir: str | Path, target_dir: str | Path, out_dir:
         source = drafter_dir
         if include_embedding and "embed_tokens.weight" not in _weight_names(drafter_dir):
             source = _with_target_embedding(drafter_dir, target_dir, tmp / "source")
-        convert_model(model=str(source), verifier=str(target_dir), algorithm="eagle3",
+        convert_model(model=str(source), verifier=str(target_dir.resolve()), algorithm="eagle3",
                       output_path=str(tmp / "converted"), eagle_aux_hidden_state_layer_ids=list(aux))
         _annotate(tmp / "converted" / "config.json", aux, verifier_name)
         if out.exists():

@@ -13,6 +13,7 @@ CI installs them; elsewhere these tests are skipped with that line as the reason
 import dataclasses
 import importlib.util
 import json
+import sys
 
 import pytest
 import torch
@@ -192,7 +193,7 @@ def test_export_records_the_verifier_name_and_refuses_a_full_directory(drafter_d
 
 
 def test_export_without_speculators_says_how_to_install(drafter_dir, target_dir, tmp_path, monkeypatch):
-    monkeypatch.setitem(__import__("sys").modules, "speculators.convert", None)  # import fails as if absent
+    monkeypatch.setitem(sys.modules, "speculators.convert", None)  # import fails as if absent
     with pytest.raises(EngineError, match=r"pip install .*interop"):
         export_speculators(drafter_dir, target_dir, tmp_path / "out")
     assert not (tmp_path / "out").exists()
