@@ -39,6 +39,12 @@ from engine.model import DEFAULT_ROPE_LEN, MLP, Attention, RMSNorm, RopeTables, 
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM")
 _VLLM_RENAMES = (("layers.0.", "midlayer."), ("draft_id_to_target_id", "d2t"))
+# Research-layout options (SpecForge's LlamaForCausalLMEagle3, speculators' converter) that change the draft math:
+# their standard values, and what the other value means. A checkpoint using one is refused, not drafted wrongly.
+_STANDARD = {"fc_norm": False, "norm_before_fc": False, "norm_output": True}
+_UNSUPPORTED = {"fc_norm": "an RMSNorm on each target feature before fc",
+                "norm_before_fc": "an RMSNorm on the concatenated features before fc",
+                "norm_output": "SpecForge: False computes logits from the layer output without the final norm"}
 
 
 def aux_layers_from_ids(ids: list[int]) -> tuple[int, ...]:
@@ -88,6 +94,11 @@ class Eagle3Config:
         if ids is not None and (not isinstance(ids, list) or len(ids) != 3):
             raise EngineError(f"drafter config.json: eagle_aux_hidden_state_layer_ids must list 3 layer ids, "
                               f"got {ids!r}")
+        for key, meaning in _UNSUPPORTED.items():
+            if key in d and d[key] != _STANDARD[key]:
+                raise EngineError(f"drafter config.json: {key}={json.dumps(d[key])} ({meaning}) is not supported: "
+                                  f"this engine's draft layer is the standard EAGLE-3 one ({key}="
+                                  f"{json.dumps(_STANDARD[key])})")
         known = {"architectures", "draft_vocab_size", "eagle_config", "target_hidden_size"}
         model = ModelConfig.from_hf({**d, "model_type": "llama", "num_hidden_layers": 1})
         extra = {k: v for k, v in model.extra.items() if k not in known}
