@@ -134,16 +134,21 @@ def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
 
 def check_counts(cfg: ModelConfig, names: list[str], where: Path) -> None:
     """A config that claims more layers (or per-expert tensors) than the weights hold is refused before the model
-    is built: a million meta layers take minutes to build, only to fail the tensor checks."""
-    for field, pattern in (("num_hidden_layers", r"(?:^|\.)layers\.(\d+)\."), ("n_routed_experts", r"\.experts\.(\d+)\.")):
-        ids = [int(m.group(1)) for n in names if (m := re.search(pattern, n))]
+    is built and its keys listed: a million meta layers, or a billion experts' key names, take minutes to fail."""
+    for field, what, pattern in (("num_hidden_layers", "layers", r"(?:^|\.)layers\.(\d+)\."),
+                                 ("n_routed_experts", "experts", r"\.experts\.(\d+)\.")):
+        found = [(int(m.group(1)), m, n) for n in names if (m := re.search(pattern, n))]
         claimed = getattr(cfg, field)
-        if field == "n_routed_experts" and not ids:
-            continue  # experts stored stacked (or none): the shape checks compare them
-        held = max(ids) + 1 if ids else 0
-        if claimed > held:
-            what = "layers" if field == "num_hidden_layers" else "experts"
-            raise EngineError(f"{where}: config field {field} is {claimed}, but the weights hold {held} {what}")
+        if not found:
+            if field == "num_hidden_layers" and claimed:
+                raise EngineError(f"{where}: config field {field} is {claimed}, but the weights hold no layers")
+            continue  # experts stored stacked (or no MoE): the shape checks compare them
+        held, m, name = max(found, key=lambda f: (f[0], f[2]))
+        held += 1
+        if claimed > held:  # name the first tensor missing, as the tensor checks would
+            first = name[:m.start(1)] + str(held) + name[m.end(1):]
+            raise EngineError(f"{where}: missing tensor {first} (config field {field} is {claimed}, but the weights "
+                              f"hold {held} {what})")
 
 
 def shape_hint(model: torch.nn.Module, key: str) -> str:
