@@ -64,7 +64,7 @@ def check_fields(values: Mapping[str, Any]) -> None:
             _int_in(name, v, 0, optional=name in OPTIONAL_TOKEN_IDS)
         elif name == "eos_token_id":
             ids = v if isinstance(v, list) else [v]
-            if v is not None and not all(_is_int(i) and 0 <= i <= MAX_SIZE for i in ids):
+            if v is not None and not all(_is_int(i) and -1 <= i <= MAX_SIZE for i in ids):
                 raise EngineError(f"config field eos_token_id must be a token id, a list of them or null, got {v!r}")
         elif name in POSITIVE_NUMBERS:
             if not _is_number(v) or v <= 0:
@@ -109,6 +109,10 @@ def check_config_mapping(d: Any) -> None:
         raise EngineError(f"config field architectures must be a list of strings, got {arch!r}")
     check_fields(d)
     check_fields(merged_text_config(d))
+    ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None and not (isinstance(ids, list) and all(_is_int(i) and -1 <= i <= MAX_SIZE for i in ids)):
+        raise EngineError(f"config field eagle_config.eagle_aux_hidden_state_layer_ids must be a list of layer ids, "
+                          f"got {ids!r}")
 
 
 def merged_text_config(d: Mapping[str, Any]) -> dict[str, Any]:

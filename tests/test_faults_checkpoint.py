@@ -221,6 +221,48 @@ def test_non_finite_weights_are_refused(tiny_dir, tmp_path, value):
                    "model.layers.2.mlp.down_proj.weight", "NaN or infinite")
 
 
+# ---- EAGLE-3 drafter directories (the same validator and loaders) --------------------------------------------
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_dir, tmp_path_factory) -> Path:
+    from engine.drafter import new_drafter, save_drafter
+    from engine.loading import load_model
+
+    target = load_model(tiny_dir)
+    return save_drafter(new_drafter(target.cfg, torch.arange(target.cfg.vocab_size), seed=1),
+                        tmp_path_factory.mktemp("drafter") / "d")
+
+
+def poison_first_float(d: Path) -> None:
+    sd = load_file(str(d / "model.safetensors"))
+    name = next(k for k, t in sorted(sd.items()) if t.is_floating_point())
+    sd[name].view(-1)[0] = float("nan")
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
+DRAFTER_CASES = {
+    "aux layer ids not integers": (edit_config(eagle_config={"eagle_aux_hidden_state_layer_ids": ["a", "b", "c"]}),
+                                   ["config.json", "eagle_aux_hidden_state_layer_ids"]),
+    "eagle_config a list": (edit_config(eagle_config=[1]), ["config.json", "eagle_config", "object"]),
+    "draft_vocab_size a string": (edit_config(draft_vocab_size="512"), ["config.json", "draft_vocab_size"]),
+    "architectures a string": (edit_config(architectures="LlamaForCausalLMEagle3"), ["config.json", "architectures"]),
+    "rms_norm_eps NaN": (replace_in_config('"rms_norm_eps": 1e-05', '"rms_norm_eps": NaN'),
+                         ["config.json", "rms_norm_eps"]),
+    "NaN weights": (poison_first_float, ["model.safetensors", "NaN or infinite"]),
+}
+
+
+@pytest.mark.parametrize("case", DRAFTER_CASES)
+def test_malformed_drafter_is_refused(tiny_dir, drafter_dir, tmp_path, case):
+    edit, words = DRAFTER_CASES[case]
+    d = broken(drafter_dir, tmp_path / "d", edit)
+    with pytest.raises(EngineError) as e:
+        Engine.load(target=str(tiny_dir), drafter=str(d), max_seq_len=64)
+    assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+    assert_bad_input(run("generate", "--target", str(tiny_dir), "--drafter", str(d), "--prompt-ids", "1,2",
+                         "--max-new-tokens", "2"), *words)
+
+
 # ---- tokenizer_config.json and chat templates -------------------------------------------------------------------
 
 TOKENIZER_CASES = {
