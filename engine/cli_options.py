@@ -26,8 +26,8 @@ class FiniteFloatRange(click.FloatRange):
         return rv
 
 
-# torch.manual_seed's range (64 bits); engine.loading.check_seed says the same for the Python API
-SEED = click.IntRange(0, 2**64 - 1)
+# torch.manual_seed's range (64 bits), as engine.loading.SEEDS for the Python API (torch is not imported here)
+SEED = click.IntRange(-2**63, 2**64 - 1)
 
 
 def int_list(minimum: int) -> Callable[[click.Context, click.Parameter, str | None], list[int] | None]:

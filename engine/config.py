@@ -35,8 +35,8 @@ OBJECTS = ("text_config", "rope_parameters", "rope_scaling", "eagle_config")  # 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ROPE_REQUIRED = {"linear": ("factor",),
                  "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")}
-ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale",
-                "mscale_all_dim", "attention_factor", "rope_theta")
+ROPE_DIVISORS = ("factor", "low_freq_factor", "high_freq_factor", "rope_theta")  # > 0: the tables divide by them
+ROPE_NUMBERS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")  # >= 0 (0: the default)
 
 
 def _is_int(v: Any) -> bool:
@@ -64,7 +64,7 @@ def check_fields(values: Mapping[str, Any]) -> None:
             _int_in(name, v, 0, optional=name in OPTIONAL_TOKEN_IDS)
         elif name == "eos_token_id":
             ids = v if isinstance(v, list) else [v]
-            if v is not None and not all(_is_int(i) and -1 <= i <= MAX_SIZE for i in ids):
+            if v is not None and not all(_is_int(i) and 0 <= i <= MAX_SIZE for i in ids):
                 raise EngineError(f"config field eos_token_id must be a token id, a list of them or null, got {v!r}")
         elif name in POSITIVE_NUMBERS:
             if not _is_number(v) or v <= 0:
@@ -87,9 +87,11 @@ def check_rope(name: str, s: Mapping[str, Any]) -> None:
     missing = [k for k in ROPE_REQUIRED.get(kind, ()) if s.get(k) is None]
     if missing:
         raise EngineError(f"config field {name}: rope type {kind!r} needs {', '.join(missing)}")
-    for k in ROPE_NUMBERS:
-        if s.get(k) is not None and (not _is_number(s[k]) or s[k] <= 0):
-            raise EngineError(f"config field {name}: {k} must be a finite number > 0, got {s[k]!r}")
+    for k in ROPE_DIVISORS + ROPE_NUMBERS:
+        v, positive = s.get(k), k in ROPE_DIVISORS
+        if v is not None and not (_is_number(v) and (v > 0 if positive else v >= 0)):
+            raise EngineError(f"config field {name}: {k} must be a finite number {'> 0' if positive else '>= 0'}, "
+                              f"got {v!r}")
     _int_in(f"{name}.original_max_position_embeddings", s.get("original_max_position_embeddings"), 1, optional=True)
     if "truncate" in s and not isinstance(s["truncate"], bool):
         raise EngineError(f"config field {name}: truncate must be true or false, got {s['truncate']!r}")
@@ -100,15 +102,14 @@ def check_rope(name: str, s: Mapping[str, Any]) -> None:
 
 def check_config_mapping(d: Any) -> None:
     """What ModelConfig.from_hf (and engine.drafter.Eagle3Config.from_hf) read of a config.json, checked before they
-    read it: a JSON object, the nested objects objects, every known field of the right type and range. Every loader
+    read it: a JSON object, its nested objects JSON objects, every known field of the right type and range. Every loader
     calls this first, so a malformed file is one EngineError naming the field, never a TypeError deep inside."""
     if not isinstance(d, Mapping):
         raise EngineError(f"config must be a JSON object, got {type(d).__name__}")
     arch = d.get("architectures")
     if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
         raise EngineError(f"config field architectures must be a list of strings, got {arch!r}")
-    check_fields(d)
-    check_fields(merged_text_config(d))
+    check_fields(merged_text_config(d))  # what from_hf reads: text_config's fields where it has them
     ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if ids is not None and not (isinstance(ids, list) and all(_is_int(i) and -1 <= i <= MAX_SIZE for i in ids)):
         raise EngineError(f"config field eagle_config.eagle_aux_hidden_state_layer_ids must be a list of layer ids, "

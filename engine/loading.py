@@ -16,7 +16,7 @@ from engine.errors import EngineError
 from engine.model import Transformer, hf_to_internal, internal_to_hf
 
 INDEX = "model.safetensors.index.json"
-MAX_SEED = 2**64 - 1
+SEEDS = (-2**63, 2**64 - 1)  # torch.manual_seed's range
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -224,11 +224,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
     return model.to(device=device, dtype=dtype).eval()
 
 
-def check_seed(seed: int) -> int:
+def check_seed(seed: int) -> None:
     """torch.manual_seed takes 64 bits; a larger seed is bad input, not an overflow deep inside torch."""
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
-        raise EngineError(f"seed must be an integer in 0..{MAX_SEED} (64 bits), got {seed!r}")
-    return seed
+    if not isinstance(seed, int) or isinstance(seed, bool) or not SEEDS[0] <= seed <= SEEDS[1]:
+        raise EngineError(f"seed must be a 64-bit integer ({SEEDS[0]}..{SEEDS[1]}), got {seed!r}")
 
 
 def random_model(shape: str | ModelConfig, device: str | torch.device = "cpu",

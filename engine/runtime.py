@@ -10,8 +10,8 @@ from typing import Any
 
 from engine.errors import EngineError
 from engine.generate import GenerationResult, Generator
-from engine.loading import check_cache_fits, load_model, random_model, read_chat_template, resolve_device, \
-    resolve_dtype
+from engine.loading import check_cache_fits, check_seed, load_model, random_model, read_chat_template, \
+    resolve_device, resolve_dtype
 from engine.sampling import SamplingParams
 
 
@@ -109,11 +109,13 @@ class Engine:
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, stop_ids: Sequence[int] = (), seed: int = 0,
                  timed_phases: bool = False) -> GenerationResult:
+        check_seed(seed)
         return self.decoder.generate(prompt_ids, max_new_tokens, sampling_params(temperature, top_k, top_p),
                                      stop_ids=tuple(stop_ids), seed=seed, timed_phases=timed_phases)
 
     def stream(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, stop_ids: Sequence[int] = (), seed: int = 0) -> Iterator[Chunk]:
+        check_seed(seed)
         stops = set(stop_ids)
         parts = self.decoder.stream(prompt_ids, max_new_tokens, sampling_params(temperature, top_k, top_p),
                                     stop_ids=tuple(stop_ids), seed=seed)

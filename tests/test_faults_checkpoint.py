@@ -312,7 +312,7 @@ GENERATE = ("generate", "--shape", "tiny", "--prompt-ids", "1,2", "--max-new-tok
     (["--top-p", "1.5"], "--top-p"),
     (["--top-k", "-1"], "--top-k"),
     (["--seed", str(2 ** 80)], "--seed"),
-    (["--seed", "-1"], "--seed"),
+    (["--seed", str(-2 ** 63 - 1)], "--seed"),
     (["--max-seq-len", "1e9"], "--max-seq-len"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--steps", "0"], "--steps"),
@@ -331,6 +331,11 @@ def test_non_finite_temperature_from_the_python_api(value):
 def test_a_seed_beyond_64_bits_from_the_python_api():
     with pytest.raises(EngineError, match="seed"):
         Engine.load(shape="tiny", max_seq_len=32, seed=2 ** 80)
+    eng = Engine.load(shape="tiny", max_seq_len=32)
+    for call in (eng.generate, lambda *a, **k: list(eng.stream(*a, **k))):
+        with pytest.raises(EngineError, match="seed"):
+            call([1, 2], 2, seed=2 ** 64)
+    assert eng.generate([1, 2], 2, seed=2 ** 64 - 1).token_ids  # the largest seed torch takes
 
 
 def test_a_cache_larger_than_the_device_is_refused_before_allocating(monkeypatch):
