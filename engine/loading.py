@@ -300,8 +300,8 @@ def check_cache_fits(model: Transformer, max_seq_len: int) -> None:
     per_token += 2 * model.rope_dim * 4 + 2 * 8  # float32 cos/sin rows; int64 slot id and sampled-token buffer
     need, have = per_token * max_seq_len, device_memory_bytes(model.device)
     if need > have:
-        raise EngineError(f"max_seq_len {max_seq_len} (--max-seq-len) needs {need / 1e9:.1f} GB for the KV cache "
-                          f"alone, more than the {have / 1e9:.1f} GB of {model.device}: lower it")
+        raise EngineError(f"max_seq_len {max_seq_len} (--max-seq-len) needs {need / 1e9:.1f} GB for the KV cache and "
+                          f"position tables alone, more than the {have / 1e9:.1f} GB of {model.device}: lower it")
 
 
 @torch.no_grad()
