@@ -10,7 +10,7 @@ import sys
 
 import click
 
-from engine.cli_options import default_device, engine_options, load_engine
+from engine.cli_options import SEED, FiniteFloatRange, default_device, engine_options, int_list, load_engine
 from engine.errors import EngineError
 
 EXIT_BAD_INPUT, EXIT_FAILURE = 2, 1
@@ -54,20 +54,11 @@ def cli() -> None:
     Exit codes: 0 ok, 2 bad input (one line on stderr), 1 internal failure. Add --debug for tracebacks."""
 
 
-def int_list(ctx, param, value: str | None) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        return [int(x) for x in value.replace(",", " ").split()]
-    except ValueError:
-        raise click.BadParameter(f"expected integers separated by commas or spaces, got {value!r}") from None
-
-
 # options shared by generate and bench: what to load and how to run it (engine/cli_options.py), plus their own
 model_options = engine_options(
     None, "KV-cache length: prompt + new tokens must fit [default: generate 2048; bench: what the run needs, rounded "
           "up to 128 - attention reads the whole cache].",
-    extra=[click.option("--seed", default=0, show_default=True, type=int,
+    extra=[click.option("--seed", default=0, show_default=True, type=SEED,
                         help="Seed of random weights (--shape) and of sampling."),
            click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")])
 
@@ -75,11 +66,12 @@ model_options = engine_options(
 @cli.command()
 @model_options
 @click.option("--prompt", default=None, help="Prompt text (UTF-8 bytes as ids for shapes without a tokenizer).")
-@click.option("--prompt-ids", default=None, callback=int_list, help="Prompt token ids, e.g. '1,2,3'.")
-@click.option("--max-new-tokens", default=64, show_default=True, type=int)
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
-@click.option("--top-k", default=0, show_default=True, type=int, help="0 = off.")
-@click.option("--top-p", default=1.0, show_default=True, type=float, help="1 = off.")
+@click.option("--prompt-ids", default=None, callback=int_list(0), help="Prompt token ids, e.g. '1,2,3'.")
+@click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--temperature", default=0.0, show_default=True, type=FiniteFloatRange(min=0), help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0), help="0 = off.")
+@click.option("--top-p", default=1.0, show_default=True, type=FiniteFloatRange(0, 1, min_open=True),
+              help="1 = off.")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the model's end-of-sequence ids.")
 def generate(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, ignore_eos, as_json, debug,
              **load) -> None:
@@ -103,11 +95,14 @@ def generate(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, igno
 
 @cli.command()
 @model_options
-@click.option("--prompt-len", default=None, type=int, help="Prompt tokens [default: 128 on cuda, 16 on cpu].")
-@click.option("--new-tokens", default=None, type=int, help="Tokens per generation [default: 256 on cuda, 32 on cpu].")
-@click.option("--repeats", default=3, show_default=True, type=int, help="Timed generations per variant (median).")
+@click.option("--prompt-len", default=None, type=click.IntRange(min=1),
+              help="Prompt tokens [default: 128 on cuda, 16 on cpu].")
+@click.option("--new-tokens", default=None, type=click.IntRange(min=1),
+              help="Tokens per generation [default: 256 on cuda, 32 on cpu].")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Timed generations per variant (median).")
 @click.option("--sizes", default=",".join(map(str, (1, 2, 4, 8, 16, 32, 64))), show_default=True,
-              callback=int_list, help="Token counts T of the forward-cost sweep.")
+              callback=int_list(1), help="Token counts T of the forward-cost sweep.")
 @click.option("--eager/--no-eager", default=True, show_default=True, help="Also time decoding without graphs.")
 @click.option("--peer/--no-peer", default=True, show_default=True,
               help="Also time transformers' generate (static cache) on the same weights.")

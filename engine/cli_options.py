@@ -6,10 +6,44 @@ engine/serve.py can both import it without importing each other.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that also refuses nan and inf: nan passes every comparison with a bound, and an infinite
+    temperature samples uniform noise."""
+
+    name = "finite float range"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return rv
+
+
+# torch.manual_seed's range (64 bits), as engine.loading.SEEDS for the Python API (torch is not imported here)
+SEED = click.IntRange(-2**63, 2**64 - 1)
+
+
+def int_list(minimum: int) -> Callable[[click.Context, click.Parameter, str | None], list[int] | None]:
+    """A click callback: '1,2,4' or '1 2 4' -> [1, 2, 4], every number >= minimum."""
+    def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+        if value is None:
+            return None
+        try:
+            out = [int(x) for x in value.replace(",", " ").split()]
+        except ValueError:
+            raise click.BadParameter(f"expected integers separated by commas or spaces, got {value!r}") from None
+        if not out or min(out) < minimum:
+            raise click.BadParameter(f"expected integers >= {minimum}, got {value!r}")
+        return out
+
+    return parse
 
 
 def engine_options(max_seq_len: int | None, max_seq_len_help: str,

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +16,136 @@ MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_d
               "norm_topk_prob", "topk_method", "scoring_func", "rope_interleave")
 SUPPORTED_TYPES = DENSE_TYPES + ("deepseek_v3",)
 ALIASES = {"kimi_k2": "deepseek_v3"}  # Kimi-K2's config.json names its own type for the DeepSeek-V3 architecture
+
+# ---- validation of config.json: every field this engine reads, its type and its range -------------------------
+# A size above int32 cannot be a real model and overflows tensor shapes; the weights' shapes bound the rest.
+MAX_SIZE = 2**31 - 1
+POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "max_position_embeddings",
+                 "draft_vocab_size")  # EAGLE-3 drafters' config.json (engine.drafter.Eagle3Config) shares this check
+OPTIONAL_POSITIVE_INTS = ("head_dim", "q_lora_rank", "target_hidden_size")
+NON_NEGATIVE_INTS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+                     "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace",
+                     "moe_layer_freq", "n_group", "topk_group")
+OPTIONAL_TOKEN_IDS = ("bos_token_id",)
+POSITIVE_NUMBERS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor")
+BOOLS = ("tie_word_embeddings", "attention_bias", "qk_norm", "norm_topk_prob", "rope_interleave")
+STRINGS = ("model_type", "topk_method", "scoring_func")
+OBJECTS = ("text_config", "rope_parameters", "rope_scaling", "eagle_config")  # JSON objects (or null) from_hf reads
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_REQUIRED = {"linear": ("factor",),
+                 "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")}
+ROPE_DIVISORS = ("factor", "low_freq_factor", "high_freq_factor", "rope_theta")  # > 0: the tables divide by them
+ROPE_NUMBERS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")  # >= 0 (0: the default)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a layer count
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # json reads NaN, Infinity
+
+
+def _int_in(name: str, v: Any, low: int, optional: bool = False) -> None:
+    if optional and v is None:
+        return
+    if not _is_int(v) or not low <= v <= MAX_SIZE:
+        raise EngineError(f"config field {name} must be an integer in {low}..{MAX_SIZE}"
+                          f"{' or null' if optional else ''}, got {v!r}")
+
+
+def check_fields(values: Mapping[str, Any]) -> None:
+    """Types and ranges of the known fields present in `values`; EngineError naming the first bad one."""
+    for name, v in values.items():
+        if name in POSITIVE_INTS or name in OPTIONAL_POSITIVE_INTS:
+            _int_in(name, v, 1, optional=name in OPTIONAL_POSITIVE_INTS)
+        elif name in NON_NEGATIVE_INTS or name in OPTIONAL_TOKEN_IDS:
+            _int_in(name, v, 0, optional=name in OPTIONAL_TOKEN_IDS)
+        elif name == "eos_token_id":
+            ids = v if isinstance(v, list) else [v]
+            if v is not None and not all(_is_int(i) and 0 <= i <= MAX_SIZE for i in ids):
+                raise EngineError(f"config field eos_token_id must be a token id, a list of them or null, got {v!r}")
+        elif name in POSITIVE_NUMBERS:
+            if not _is_number(v) or v <= 0:
+                raise EngineError(f"config field {name} must be a finite number > 0, got {v!r}")
+        elif name in BOOLS and not isinstance(v, bool):
+            raise EngineError(f"config field {name} must be true or false, got {v!r}")
+        elif name in STRINGS and not isinstance(v, str):
+            raise EngineError(f"config field {name} must be a string, got {v!r}")
+        elif name in OBJECTS and v is not None and not isinstance(v, Mapping):
+            raise EngineError(f"config field {name} must be a JSON object or null, got {v!r}")
+        elif name in ("rope_scaling", "rope_parameters") and v is not None:
+            check_rope(name, v)
+
+
+def check_rope(name: str, s: Mapping[str, Any]) -> None:
+    """A rope_scaling (or transformers 5 rope_parameters) object: a type this engine computes, with its numbers."""
+    kind = s.get("rope_type", s.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise EngineError(f"config field {name}: unsupported rope type {kind!r} (supported: {', '.join(ROPE_TYPES)})")
+    missing = [k for k in ROPE_REQUIRED.get(kind, ()) if s.get(k) is None]
+    if missing:
+        raise EngineError(f"config field {name}: rope type {kind!r} needs {', '.join(missing)}")
+    for k in ROPE_DIVISORS + ROPE_NUMBERS:
+        v, positive = s.get(k), k in ROPE_DIVISORS
+        if v is not None and not (_is_number(v) and (v > 0 if positive else v >= 0)):
+            raise EngineError(f"config field {name}: {k} must be a finite number {'> 0' if positive else '>= 0'}, "
+                              f"got {v!r}")
+    _int_in(f"{name}.original_max_position_embeddings", s.get("original_max_position_embeddings"), 1, optional=True)
+    if "truncate" in s and not isinstance(s["truncate"], bool):
+        raise EngineError(f"config field {name}: truncate must be true or false, got {s['truncate']!r}")
+    if kind == "llama3" and s["low_freq_factor"] == s["high_freq_factor"]:  # the smooth ramp divides by their gap
+        raise EngineError(f"config field {name}: high_freq_factor must differ from low_freq_factor "
+                          f"({s['low_freq_factor']})")
+
+
+def check_config_mapping(d: Any) -> None:
+    """What ModelConfig.from_hf (and engine.drafter.Eagle3Config.from_hf) read of a config.json, checked before they
+    read it: a JSON object, its nested objects JSON objects, every known field of the right type and range. Every loader
+    calls this first, so a malformed file is one EngineError naming the field, never a TypeError deep inside."""
+    if not isinstance(d, Mapping):
+        raise EngineError(f"config must be a JSON object, got {type(d).__name__}")
+    arch = d.get("architectures")
+    if arch is not None and not (isinstance(arch, list) and all(isinstance(a, str) for a in arch)):
+        raise EngineError(f"config field architectures must be a list of strings, got {arch!r}")
+    check_fields(merged_text_config(d))  # what from_hf reads: text_config's fields where it has them
+    ids = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None and not (isinstance(ids, list) and all(_is_int(i) and -1 <= i <= MAX_SIZE for i in ids)):
+        raise EngineError(f"config field eagle_config.eagle_aux_hidden_state_layer_ids must be a list of layer ids, "
+                          f"got {ids!r}")
+
+
+def merged_text_config(d: Mapping[str, Any]) -> dict[str, Any]:
+    """A multimodal config's language model: text_config's fields over the top level's, unless text_config names
+    a model_type of its own."""
+    text = d.get("text_config")
+    return {**d, **text} if isinstance(text, Mapping) and "model_type" not in text else dict(d)
+
+
+def check_mla(cfg: "ModelConfig") -> None:
+    """Refuse a deepseek_v3 config this implementation does not compute, naming the field."""
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(cfg, name) <= 0:
+            raise EngineError(f"config field {name} must be positive for deepseek_v3, got {getattr(cfg, name)}")
+    if cfg.qk_rope_head_dim % 2:
+        raise EngineError(f"config field qk_rope_head_dim must be even, got {cfg.qk_rope_head_dim}")
+    if cfg.n_routed_experts <= 0:
+        return
+    if cfg.topk_method != "noaux_tc":
+        raise EngineError(f"config field topk_method {cfg.topk_method!r} is not implemented (supported: noaux_tc)")
+    if cfg.scoring_func != "sigmoid":
+        raise EngineError(f"config field scoring_func {cfg.scoring_func!r} is not implemented (supported: sigmoid)")
+    E, g = cfg.n_routed_experts, cfg.n_group
+    if g <= 0 or E % g or E // g < 2:
+        raise EngineError(f"config field n_group {g} must divide n_routed_experts {E} into groups of >= 2 experts")
+    if not 0 < cfg.topk_group <= g:
+        raise EngineError(f"config field topk_group {cfg.topk_group} must be in 1..n_group ({g})")
+    if not 0 < cfg.num_experts_per_tok <= cfg.topk_group * (E // g):
+        raise EngineError(f"config field num_experts_per_tok {cfg.num_experts_per_tok} must be in 1.."
+                          f"{cfg.topk_group * (E // g)} (topk_group * experts per group)")
+    if cfg.moe_intermediate_size <= 0:
+        raise EngineError(f"config field moe_intermediate_size must be positive, got {cfg.moe_intermediate_size}")
 
 
 @dataclass
@@ -58,20 +190,25 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict, repr=False)  # unknown keys, kept for round trips
 
     def __post_init__(self) -> None:
+        check_fields({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"})
         if self.model_type not in SUPPORTED_TYPES:
             raise EngineError(
                 f"unsupported model_type {self.model_type!r}; supported: {', '.join(SUPPORTED_TYPES)}"
             )
-        if self.head_dim is None:
+        derived = self.head_dim is None
+        if derived:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.model_type == "qwen3":
             self.qk_norm = True
         if self.is_mla:  # as transformers' DeepseekV3Config: no KV groups, head_dim is the rotary dim
             self.num_key_value_heads = self.num_attention_heads
             self.head_dim = self.qk_rope_head_dim
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
-            if getattr(self, name) <= 0:
-                raise EngineError(f"config field {name} must be positive, got {getattr(self, name)}")
+            check_mla(self)
+        if self.head_dim <= 0 or self.head_dim % 2:  # rotary embeddings rotate the two halves of each head
+            how = f" (hidden_size {self.hidden_size} // num_attention_heads {self.num_attention_heads})" \
+                if derived and not self.is_mla else ""
+            raise EngineError(f"config field {'qk_rope_head_dim' if self.is_mla else 'head_dim'} must be positive "
+                              f"and even, got {self.head_dim}{how}")
         if not self.is_mla and self.num_attention_heads % self.num_key_value_heads:
             raise EngineError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
@@ -102,9 +239,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face config.json dict (transformers 4.x and 5.x spellings)."""
-        d = dict(d)
-        if "text_config" in d and "model_type" not in d.get("text_config", {}):
-            d = {**d, **d["text_config"]}
+        check_config_mapping(d)
+        d = merged_text_config(d)
         if d.get("model_type") in ALIASES:
             d["model_type"] = ALIASES[d["model_type"]]
         model_type = d.get("model_type")
@@ -126,8 +262,8 @@ class ModelConfig:
         kwargs["extra"] = {k: v for k, v in d.items() if k not in known}
         try:
             return cls(**kwargs)
-        except TypeError as e:  # a field of the wrong type in config.json
-            raise EngineError(f"config.json: {e}") from None
+        except TypeError as e:  # a field of the wrong type that check_config_mapping does not know
+            raise EngineError(f"config: {e}") from None
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json dict that transformers loads as the same architecture."""

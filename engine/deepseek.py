@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.cache import MLACache
-from engine.config import ModelConfig
+from engine.config import ModelConfig, check_mla
 from engine.errors import EngineError
 from engine.model import MLP, RMSNorm
 from engine.rope import apply_rope, yarn_mscale
@@ -248,30 +248,8 @@ class MoE(nn.Module):
 
 
 def check_config(cfg: ModelConfig) -> None:
-    """Refuse what this implementation does not compute, naming the field."""
-    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        if getattr(cfg, name) <= 0:
-            raise EngineError(f"config field {name} must be positive for deepseek_v3, got {getattr(cfg, name)}")
-    if cfg.qk_rope_head_dim % 2:
-        raise EngineError(f"config field qk_rope_head_dim must be even, got {cfg.qk_rope_head_dim}")
-    if cfg.q_lora_rank is not None and cfg.q_lora_rank <= 0:
-        raise EngineError(f"config field q_lora_rank must be positive or null, got {cfg.q_lora_rank}")
-    if cfg.n_routed_experts <= 0:
-        return
-    if cfg.topk_method != "noaux_tc":
-        raise EngineError(f"config field topk_method {cfg.topk_method!r} is not implemented (supported: noaux_tc)")
-    if cfg.scoring_func != "sigmoid":
-        raise EngineError(f"config field scoring_func {cfg.scoring_func!r} is not implemented (supported: sigmoid)")
-    E, g = cfg.n_routed_experts, cfg.n_group
-    if g <= 0 or E % g or E // g < 2:
-        raise EngineError(f"config field n_group {g} must divide n_routed_experts {E} into groups of >= 2 experts")
-    if not 0 < cfg.topk_group <= g:
-        raise EngineError(f"config field topk_group {cfg.topk_group} must be in 1..n_group ({g})")
-    if not 0 < cfg.num_experts_per_tok <= cfg.topk_group * (E // g):
-        raise EngineError(f"config field num_experts_per_tok {cfg.num_experts_per_tok} must be in 1.."
-                          f"{cfg.topk_group * (E // g)} (topk_group * experts per group)")
-    if cfg.moe_intermediate_size <= 0:
-        raise EngineError(f"config field moe_intermediate_size must be positive, got {cfg.moe_intermediate_size}")
+    """Refuse what this implementation does not compute (ModelConfig checks it when built; kept for callers)."""
+    check_mla(cfg)
 
 
 def block_parts(cfg: ModelConfig, i: int) -> tuple[nn.Module, nn.Module]:

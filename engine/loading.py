@@ -2,17 +2,21 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import os
+import re
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from engine.config import ModelConfig, shape_config
+from engine.config import ModelConfig, check_config_mapping, shape_config
 from engine.errors import EngineError
 from engine.model import Transformer, hf_to_internal, internal_to_hf
 
+INDEX = "model.safetensors.index.json"
+SEEDS = (-2**63, 2**64 - 1)  # torch.manual_seed's range
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -33,6 +37,23 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def read_json_object(f: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file that must hold an object (config.json, the index, tokenizer_config.json)."""
+    try:
+        text = f.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise EngineError(f"{f}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise EngineError(f"{f}: unreadable ({e.strerror or e})") from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise EngineError(f"{f}: invalid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise EngineError(f"{f}: must hold a JSON object, got {type(d).__name__}")
+    return d
+
+
 def read_config(path: str | Path, config_class: Any = ModelConfig) -> Any:
     """`path`/config.json (HF keys) as a `config_class`: ModelConfig, or drafter.Eagle3Config for a drafter."""
     d = Path(path)
@@ -41,20 +62,38 @@ def read_config(path: str | Path, config_class: Any = ModelConfig) -> Any:
     f = d / "config.json"
     if not f.is_file():
         raise EngineError(f"{d}: no config.json")
+    raw = read_json_object(f)
     try:
-        return config_class.from_hf(json.loads(f.read_text()))
-    except json.JSONDecodeError as e:
-        raise EngineError(f"{f}: invalid JSON ({e})") from None
+        check_config_mapping(raw)  # types and ranges first: from_hf and the model then trust what they read
+        return config_class.from_hf(raw)
+    except EngineError as e:
+        raise EngineError(f"{f}: {e}") from None
+
+
+def shard_path(path: Path, index: Path, name: Any) -> Path:
+    """A shard named by the index, refused unless it is a relative path inside the checkpoint directory. Checked
+    by name, not by resolving links: HF cache snapshots link every file to a blob outside the directory."""
+    if not isinstance(name, str) or not name:
+        raise EngineError(f"{index}: weight_map must map tensor names to shard file names, got {name!r}")
+    parts = PurePosixPath(name.replace("\\", "/"))
+    if parts.is_absolute() or PureWindowsPath(name).drive or ".." in parts.parts:
+        raise EngineError(f"{index}: shard {name!r} is outside the checkpoint directory (shard names must be "
+                          f"relative to it, without '..')")
+    return path / parts
 
 
 def weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
+    index = path / INDEX
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [n for n in names if not (path / n).is_file()]
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise EngineError(f"{index}: weight_map must be a non-empty JSON object of tensor name -> shard file "
+                              f"name, got {weight_map!r:.60}")
+        files = sorted({shard_path(path, index, n) for n in weight_map.values()})
+        missing = [str(f.relative_to(path)) for f in files if not f.is_file()]
         if missing:
             raise EngineError(f"{path}: index names missing shard(s) {', '.join(missing)}")
-        return [path / n for n in names]
+        return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
         pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt")]
@@ -64,14 +103,52 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+def read_shapes(files: list[Path]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors as meta tensors of their shapes, from the safetensors headers alone: what the config
+    is checked against before anything the size of the model is read or allocated."""
+    shapes: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():
+                    shapes[k] = torch.empty(st.get_slice(k).get_shape(), device="meta")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise EngineError(f"{f}: unreadable safetensors file ({e})") from None
+    return shapes
+
+
 def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+    """Every tensor of `files`; floating-point ones must be finite (NaN weights decode token 0 forever)."""
     sd: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            sd.update(load_file(str(f)))
+            tensors = load_file(str(f))
         except (SafetensorError, OSError, ValueError) as e:
             raise EngineError(f"{f}: unreadable safetensors file ({e})") from None
+        for k, t in tensors.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise EngineError(f"{f}: tensor {k} has NaN or infinite values")
+        sd.update(tensors)
     return sd
+
+
+def check_counts(cfg: ModelConfig, names: list[str], where: Path) -> None:
+    """A config that claims more layers (or per-expert tensors) than the weights hold is refused before the model
+    is built and its keys listed: a million meta layers, or a billion experts' key names, take minutes to fail."""
+    for field, what, pattern in (("num_hidden_layers", "layers", r"(?:^|\.)layers\.(\d+)\."),
+                                 ("n_routed_experts", "experts", r"\.experts\.(\d+)\.")):
+        found = [(int(m.group(1)), m, n) for n in names if (m := re.search(pattern, n))]
+        claimed = getattr(cfg, field)
+        if not found:
+            if field == "num_hidden_layers" and claimed:
+                raise EngineError(f"{where}: config field {field} is {claimed}, but the weights hold no layers")
+            continue  # experts stored stacked (or no MoE): the shape checks compare them
+        held, m, name = max(found, key=lambda f: (f[0], f[2]))
+        held += 1
+        if claimed > held:  # name the first tensor missing, as the tensor checks would
+            first = name[:m.start(1)] + str(held) + name[m.end(1):]
+            raise EngineError(f"{where}: missing tensor {first} (config field {field} is {claimed}, but the weights "
+                              f"hold {held} {what})")
 
 
 def shape_hint(model: torch.nn.Module, key: str) -> str:
@@ -87,8 +164,9 @@ def shape_hint(model: torch.nn.Module, key: str) -> str:
     return ""
 
 
-def load_state(model: torch.nn.Module, sd: dict[str, torch.Tensor], where: str) -> None:
-    """Copy a (converted) state dict into model, naming the first missing, unexpected or misshapen tensor."""
+def check_state(model: torch.nn.Module, sd: dict[str, torch.Tensor], where: str) -> None:
+    """A (converted) state dict against model's own, naming the first missing, unexpected or misshapen tensor.
+    Shapes only: `sd` may hold meta tensors read from the headers, `model` may be on the meta device."""
     own = model.state_dict()
     missing = [k for k in own if k not in sd and not (k == "lm_head.weight" and model.cfg.tie_word_embeddings)]
     if missing:
@@ -101,24 +179,43 @@ def load_state(model: torch.nn.Module, sd: dict[str, torch.Tensor], where: str) 
         if tuple(t.shape) != tuple(own[k].shape):
             raise EngineError(f"{where}: tensor {k} has shape {tuple(t.shape)}, config implies "
                               f"{tuple(own[k].shape)}{shape_hint(model, k)}")
+
+
+def load_state(model: torch.nn.Module, sd: dict[str, torch.Tensor], where: str) -> None:
+    """Copy a (converted) state dict into model once check_state accepts it."""
+    check_state(model, sd, where)
     model.load_state_dict(sd, strict=False)
+
+
+def to_internal(model: Transformer, sd: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
+    """HF checkpoint keys -> the model's own (fused q/k/v and gate/up, stacked experts); lm_head dropped when tied."""
+    sd = {k.removeprefix("model."): v for k, v in sd.items()}
+    try:
+        sd = hf_to_internal(model, sd)
+    except EngineError as e:
+        raise EngineError(f"{where}: {e}") from None
+    if model.cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32"
                ) -> Transformer:
+    """An HF-format directory. Its config is checked against the weights' shapes (read from the safetensors headers,
+    the model built on the meta device) before the weights are read or the model allocated."""
     path = Path(path)
     cfg = read_config(path)
-    sd = read_safetensors(weight_files(path))
-    sd = {k.removeprefix("model."): v for k, v in sd.items()}
     dtype = resolve_dtype(dtype)
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    files = weight_files(path)
+    shapes = read_shapes(files)
+    check_counts(cfg, list(shapes), path / "config.json")
     try:
-        sd = hf_to_internal(model, sd)
-    except EngineError as e:
-        raise EngineError(f"{path}: {e}") from None
-    if cfg.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
+        with torch.device("meta"):
+            model = Transformer(cfg)
+    except EngineError as e:  # a config the model cannot build (e.g. an MLA option it does not implement)
+        raise EngineError(f"{path / 'config.json'}: {e}") from None
+    check_state(model, to_internal(model, shapes, path), str(path))
+    sd = to_internal(model, read_safetensors(files), path)
     model = model.to_empty(device="cpu")
     load_state(model, sd, str(path))
     model._set_rope(model.rope_cos.shape[0], None)  # buffers were left empty by to_empty
@@ -127,15 +224,84 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
     return model.to(device=device, dtype=dtype).eval()
 
 
+def check_seed(seed: int) -> None:
+    """torch.manual_seed takes 64 bits; a larger seed is bad input, not an overflow deep inside torch."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not SEEDS[0] <= seed <= SEEDS[1]:
+        raise EngineError(f"seed must be a 64-bit integer ({SEEDS[0]}..{SEEDS[1]}), got {seed!r}")
+
+
 def random_model(shape: str | ModelConfig, device: str | torch.device = "cpu",
                  dtype: str | torch.dtype = "float32", seed: int = 0) -> Transformer:
     """A model of a named shape with N(0, 0.02) weights, built directly on the device."""
     cfg = shape_config(shape) if isinstance(shape, str) else shape
+    check_seed(seed)
     torch.manual_seed(seed)
     with torch.device(device):
         model = Transformer(cfg)
         init_weights(model)
     return model.to(dtype=resolve_dtype(dtype)).eval()
+
+
+def check_chat_template(source: str, where: Path, name: str = "") -> None:
+    """A Jinja chat template must compile: a syntax error found at load time, not at the first chat request."""
+    try:
+        from jinja2 import TemplateSyntaxError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:  # jinja2 comes with the serve extra; without it no template is ever rendered
+        return
+    try:
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).parse(source)
+    except TemplateSyntaxError as e:
+        which = f"chat template {name!r}" if name else "chat template"
+        raise EngineError(f"{where}: {which} has a syntax error at line {e.lineno}: {e.message}") from None
+
+
+def read_chat_template(path: str | Path) -> str | None:
+    """The checkpoint's chat template: chat_template.jinja, else tokenizer_config.json's chat_template string (a
+    list of named templates is checked, not chosen from). tokenizer_config.json is checked even when the .jinja
+    file wins: a garbage file is bad metadata either way."""
+    path = Path(path)
+    template = None
+    cfg_file = path / "tokenizer_config.json"
+    if cfg_file.is_file():
+        template = read_json_object(cfg_file).get("chat_template")
+        named = template if isinstance(template, list) else []
+        if template is not None and not isinstance(template, str) and not (
+                named and all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in named)):
+            raise EngineError(f"{cfg_file}: chat_template must be a string or a list of "
+                              f'{{"name": ..., "template": ...}} objects, got {template!r:.60}')
+        if isinstance(template, str):
+            check_chat_template(template, cfg_file)
+        for t in named:
+            check_chat_template(t["template"], cfg_file, str(t.get("name", "")))
+        template = template if isinstance(template, str) else None
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            template = jinja.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise EngineError(f"{jinja}: not UTF-8 text (byte {e.start})") from None
+        check_chat_template(template, jinja)
+    return template
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """The device's total memory: a GPU's, or this machine's physical memory for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_cache_fits(model: Transformer, max_seq_len: int) -> None:
+    """Refuse a max_seq_len whose KV cache and position tables alone exceed the device's memory, before they are
+    allocated: a failed allocation is an internal failure, a cache length too large for the device is bad input."""
+    meta = torch.device("meta")
+    per_token = sum(layer.self_attn.make_cache(1, 1, model.dtype, meta).bytes_per_token() for layer in model.layers)
+    per_token += 2 * model.rope_dim * 4 + 2 * 8  # float32 cos/sin rows; int64 slot id and sampled-token buffer
+    need, have = per_token * max_seq_len, device_memory_bytes(model.device)
+    if need > have:
+        raise EngineError(f"max_seq_len {max_seq_len} (--max-seq-len) needs {need / 1e9:.1f} GB for the KV cache and "
+                          f"position tables alone, more than the {have / 1e9:.1f} GB of {model.device}: lower it")
 
 
 @torch.no_grad()

@@ -2,6 +2,7 @@
 use this and nothing below it."""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +10,8 @@ from typing import Any
 
 from engine.errors import EngineError
 from engine.generate import GenerationResult, Generator
-from engine.loading import load_model, random_model, resolve_device, resolve_dtype
+from engine.loading import check_cache_fits, check_seed, load_model, random_model, read_chat_template, \
+    resolve_device, resolve_dtype
 from engine.sampling import SamplingParams
 
 
@@ -23,6 +25,7 @@ class Chunk:
 
 
 def load_tokenizer(path: Path):
+    read_chat_template(path)  # tokenizer_config.json and the chat template are checked with the tokenizer
     f = path / "tokenizer.json"
     if not f.is_file():
         return None
@@ -35,8 +38,8 @@ def load_tokenizer(path: Path):
 
 
 def sampling_params(temperature: float, top_k: int, top_p: float) -> SamplingParams:
-    if temperature < 0:
-        raise EngineError(f"temperature must be >= 0, got {temperature}")
+    if not (math.isfinite(temperature) and temperature >= 0):  # nan passes every comparison; inf samples noise
+        raise EngineError(f"temperature must be a finite number >= 0, got {temperature}")
     if top_k < 0:
         raise EngineError(f"top_k must be >= 0, got {top_k}")
     if not 0.0 < top_p <= 1.0:
@@ -64,6 +67,7 @@ class Engine:
             model, tokenizer, name = load_model(target, dev, dt), load_tokenizer(Path(target)), str(target)
         else:
             model, tokenizer, name = random_model(shape, dev, dt, seed=seed), None, shape
+        check_cache_fits(model, max_seq_len)
         if drafter is None:
             decoder = Generator(model, max_seq_len, cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk,
                                 compile=compile)
@@ -105,11 +109,13 @@ class Engine:
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, stop_ids: Sequence[int] = (), seed: int = 0,
                  timed_phases: bool = False) -> GenerationResult:
+        check_seed(seed)
         return self.decoder.generate(prompt_ids, max_new_tokens, sampling_params(temperature, top_k, top_p),
                                      stop_ids=tuple(stop_ids), seed=seed, timed_phases=timed_phases)
 
     def stream(self, prompt_ids: Sequence[int], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, stop_ids: Sequence[int] = (), seed: int = 0) -> Iterator[Chunk]:
+        check_seed(seed)
         stops = set(stop_ids)
         parts = self.decoder.stream(prompt_ids, max_new_tokens, sampling_params(temperature, top_k, top_p),
                                     stop_ids=tuple(stop_ids), seed=seed)

@@ -103,7 +103,8 @@ def test_prompt_longer_than_the_cache():
 
 @pytest.mark.parametrize("n", ["0", "-4"])
 def test_non_positive_token_count(n):
-    assert_bad_input(run("generate", "--shape", "tiny", "--prompt", "x", "--max-new-tokens", n), "positive")
+    assert_bad_input(run("generate", "--shape", "tiny", "--prompt", "x", "--max-new-tokens", n), "--max-new-tokens",
+                     "x>=1")
 
 
 def test_unknown_shape_suggests_the_closest():
@@ -130,7 +131,7 @@ def test_bad_options_are_one_line(args, words):
 
 
 def test_debug_shows_the_exception_instead():
-    r = run("generate", "--shape", "tiny", "--prompt", "x", "--max-new-tokens", "0", "--debug")
+    r = run("generate", "--shape", "tiny", "--prompt", "x", "--dtype", "int3", "--debug")
     assert r.exit_code != 0 and type(r.exception).__name__ == "EngineError"
 
 

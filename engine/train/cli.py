@@ -6,6 +6,11 @@ import json
 
 import click
 
+from engine.train.corpus import MIXES
+from engine.train.presets import FAMILIES, PRESETS
+
+STEPS = click.IntRange(min=1)
+
 
 @click.group("train")
 def train_command() -> None:
@@ -13,7 +18,7 @@ def train_command() -> None:
 
 
 def preset_option(f):
-    return click.option("--preset", default="cpu", show_default=True,
+    return click.option("--preset", default="cpu", show_default=True, type=click.Choice(list(PRESETS)),
                         help="Training preset: cpu (minutes on 2 cores) or gpu (one H200).")(f)
 
 
@@ -42,9 +47,9 @@ def corpus_cmd(fetch_only: bool) -> None:
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @preset_option
 @device_option
-@click.option("--family", default="llama", show_default=True, help="Target family: llama or deepseek_v3.")
-@click.option("--steps-a", type=int, default=None, help="Override target A's optimizer steps.")
-@click.option("--steps-b", type=int, default=None, help="Override target B's optimizer steps.")
+@click.option("--family", default="llama", show_default=True, type=click.Choice(FAMILIES), help="Target family.")
+@click.option("--steps-a", type=STEPS, default=None, help="Override target A's optimizer steps.")
+@click.option("--steps-b", type=STEPS, default=None, help="Override target B's optimizer steps.")
 def targets_cmd(out_dir: str, preset: str, device: str | None, family: str, steps_a: int | None,
                 steps_b: int | None) -> None:
     """Tokenizer, target A (mix A) and target B (A trained further on mix B) under OUT_DIR."""
@@ -67,11 +72,11 @@ def targets_cmd(out_dir: str, preset: str, device: str | None, family: str, step
 @device_option
 @click.option("--init-from", type=click.Path(file_okay=False), default=None,
               help="Fine-tune this EAGLE-3 drafter instead of starting from scratch (approach A).")
-@click.option("--mix", default=None, help="Corpus mix: A or B [default: the preset's].")
-@click.option("--steps", type=int, default=None, help="Override the optimizer steps.")
-@click.option("--samples", type=int, default=None,
+@click.option("--mix", default=None, type=click.Choice(list(MIXES)), help="Corpus mix [default: the preset's].")
+@click.option("--steps", type=STEPS, default=None, help="Override the optimizer steps.")
+@click.option("--samples", type=click.IntRange(min=1), default=None,
               help="Training sequences (corpus prompt + the target's answer) [default: the preset's].")
-@click.option("--eval-prompts", type=int, default=None,
+@click.option("--eval-prompts", type=click.IntRange(min=0), default=None,
               help="Measure accept length (greedy chain, 7 steps) on this many held-out prompts at the end.")
 def drafter_cmd(out_dir: str, target_dir: str, preset: str, device: str | None, init_from: str | None,
                 mix: str | None, steps: int | None, samples: int | None, eval_prompts: int | None) -> None:
