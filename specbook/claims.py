@@ -89,7 +89,10 @@ def _record(root: Path, runbook: str, cache: dict) -> dict | None:
     """The parsed baselines/RUNBOOK.yaml (validated by specbook.records), or None when there is none."""
     if runbook not in cache:
         path = records.path_for(Path(root), runbook)
-        cache[runbook] = records.load(path).data if path.is_file() else None
+        try:
+            cache[runbook] = records.load(path).data if path.is_file() else None
+        except SpecbookError:  # malformed: `runbook status` names it; its claims read as without a record here
+            cache[runbook] = None
     return cache[runbook]
 
 

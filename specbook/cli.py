@@ -14,16 +14,18 @@ import click
 from specbook import SpecbookError, provenance, records
 from specbook.execute import Target, target
 from specbook.execute import run as run_target
-from specbook.runbooks import discover, find_root, load, parse_cli
-from specbook.verify import DRIFTED, FAILED, STALE, Verdict, age, drift, exit_code, status, verify
+from specbook.runbooks import check_name, check_profile, discover, find_root, load, parse_cli
+from specbook.verify import DRIFTED, FAILED, INVALID, STALE, Verdict, age, drift, exit_code, status, verify
 
 EXIT_CODES = """\b
 Exit codes:
   0  ok (numbers fresh, or stale but within tolerance, or not verifiable here)
   1  drifted: a re-run number is outside its tolerance (regression, improvement or change),
      or docs disagree with the records (verify --docs); `status`: something is stale
-  2  bad input: unknown runbook or parameter, malformed header or record, wrong profile
-  3  could not run: a runbook failed, timed out, or cannot run on this machine's profile"""
+  2  bad input: unknown runbook or parameter, malformed header or record, wrong profile;
+     `list`, `status`, `context`: a malformed record file (named on stderr; the others are still shown)
+  3  could not run: a runbook failed, timed out, or cannot run on this machine's profile
+  130  interrupted (Ctrl-C)"""
 
 
 @dataclass
@@ -46,6 +48,9 @@ class Group(click.Group):
             self._fail(ctx, str(e), e.exit_code)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
+        except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT, no traceback from the kernel
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
         except Exception as e:  # a bug or an environment problem: still one line unless --debug
             self._fail(ctx, f"{type(e).__name__}: {e} (rerun with --debug for the traceback)", 3)
 
@@ -105,7 +110,8 @@ def list_(obj: Ctx, as_json: bool) -> None:
     """Runbooks with their profiles and the state of their records."""
     root = obj.root
     states: dict[str, dict[str, str]] = {}
-    for v in status(root):
+    verdicts = status(root)
+    for v in verdicts:
         worst = states.setdefault(v.runbook, {}).get(v.profile)
         if worst is None or _rank(v.verdict) > _rank(worst):
             states[v.runbook][v.profile] = v.verdict
@@ -122,6 +128,15 @@ def list_(obj: Ctx, as_json: bool) -> None:
              ", ".join(s if p == "-" else f"{p}: {s}" for p, s in i["records"].items()) or "-", i["title"]]
             for i in items]
     _emit(as_json, items, _table(["runbook", "profiles", "depends", "records", "title"], rows))
+    _exit_if_invalid([v.detail for v in verdicts if v.verdict == INVALID])
+
+
+def _exit_if_invalid(problems: list[str]) -> None:
+    """Malformed record files, one line each on stderr and exit 2, after the rest was shown."""
+    for p in problems:
+        click.echo(f"error: {p}", err=True)
+    if problems:
+        click.get_current_context().exit(2)
 
 
 def _rank(verdict: str) -> int:
@@ -143,6 +158,8 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, force
     rb = load(root, name)
     overrides = parse_cli(rb, params)
     here = provenance.detect_profile()
+    if profile:
+        check_profile(root, profile)
     profile = profile or here
     if not provenance.runs_here(profile, here):
         raise SpecbookError(f"cannot measure profile {profile} on this machine (it is {here}); "
@@ -203,6 +220,8 @@ def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str |
     """Re-run what can run here and compare with the records, within tolerance."""
     root = obj.root
     here = provenance.detect_profile()
+    if profile:
+        check_profile(root, profile)
     verdicts = verify(root, here, list(names) or None, profile, progress=not as_json, log=_log)
     code = exit_code(verdicts)
     problems = [str(p) for p in _check_docs(root)] if docs else []
@@ -234,6 +253,7 @@ def status_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], as_json: bool)
     code = 3 if any(v.verdict == FAILED for v in verdicts) else 1 if any(v.verdict == STALE for v in verdicts) else 0
     _emit(as_json, [v.as_dict() for v in verdicts],
           _table(VERDICT_HEADERS, _verdict_rows(verdicts)) if verdicts else "no runbooks or records")
+    _exit_if_invalid([v.detail for v in verdicts if v.verdict == INVALID])
     ctx.exit(code)
 
 
@@ -244,6 +264,7 @@ def status_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], as_json: bool)
 def show(obj: Ctx, name: str, as_json: bool) -> None:
     """The records of runbook NAME and their provenance."""
     root = obj.root
+    check_name(name)
     path = records.path_for(root, name)
     if not path.exists():
         load(root, name)  # unknown names fail with suggestions
@@ -298,6 +319,7 @@ def context(obj: Ctx, budget: int) -> None:
     from specbook.context import build_context
 
     click.echo(build_context(obj.root, budget), nl=False)
+    _exit_if_invalid(records.broken(obj.root))
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def record_rows(root: Path | str) -> list[Row]:
     root = Path(root)
     status = {(v.runbook, v.profile, v.metric): v for v in verify.status(root)}
     rows = []
-    for runbook, rf in records.load_all(root).items():
+    for runbook, rf in records.load_all(root, skip_broken=True).items():  # status names the broken ones
         for profile, prof in rf.data["profiles"].items():
             for name, m in prof["metrics"].items():
                 run = records.run_of(prof, m["run"])

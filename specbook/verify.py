@@ -11,10 +11,11 @@ from typing import Any
 from specbook import RunFailed, SpecbookError, provenance, records
 from specbook.execute import Target, run, target
 from specbook.provenance import canonical, sha
-from specbook.runbooks import discover, load
+from specbook.runbooks import check_name, discover, load
 
 FRESH, STALE, DRIFTED, ELSEWHERE, FAILED, UNRECORDED = (
     "fresh", "stale", "drifted", "not verifiable here", "failed", "unrecorded")
+INVALID = "invalid record"  # status: the record file is malformed (detail: the one-line error)
 
 
 @dataclass
@@ -64,6 +65,7 @@ def age(date: Any, now: dt.datetime | None = None) -> str:
 def _names(root: Path, names: list[str] | None) -> list[str]:
     if names:
         for n in names:
+            check_name(n)  # before any path is built from it
             if not records.path_for(root, n).exists():
                 load(root, n)  # unknown names fail here with suggestions
         return list(names)
@@ -114,7 +116,11 @@ def status(root: Path, names: list[str] | None = None) -> list[Verdict]:
     """Fresh or stale for every recorded number of every profile; hashes only, nothing runs."""
     out, cache = [], {}
     for name in _names(root, names):
-        rf = records.load(records.path_for(root, name))
+        try:
+            rf = records.load(records.path_for(root, name))
+        except SpecbookError as e:  # one malformed file must not hide the others
+            out.append(Verdict(name, "-", "-", INVALID, detail=str(e)))
+            continue
         if not rf.data["profiles"]:
             out.append(Verdict(name, "-", "-", UNRECORDED))
         for profile, prof in rf.data["profiles"].items():

@@ -75,6 +75,7 @@ def _consumer(extra: str = "") -> str:
     """)
 
 
+@pytest.mark.slow
 def test_concurrent_consumers_build_a_dependency_once(tmp_path):
     root = make_repo(tmp_path, up=UP, down_a=_consumer(), down_b=_consumer())
     procs = [_runbook_cmd(root, "run", name, "--json") for name in ("down-a", "down-b")]
@@ -97,7 +98,7 @@ def test_a_failed_dependency_build_is_not_taken_for_done(tmp_path, cpu_machine):
     """), down=_consumer().replace(f"{_here()}: {{}}", "cpu: {}"))
     r = cli(root, "run", "down")
     assert r.exit_code == 3 and "runbook up" in r.stderr
-    outputs = next((root / ".specbook" / "outputs" / "up" / "cpu").iterdir())
+    [outputs] = [d for d in (root / ".specbook" / "outputs" / "up" / "cpu").iterdir() if d.is_dir()]
     assert (outputs / "model.txt").exists() and not (outputs / "DONE").exists()
 
 
@@ -111,18 +112,19 @@ def test_one_malformed_record_does_not_hide_the_others(tmp_path, cpu_machine):
     r = cli(root, "list", "--json")
     line = _one_line(r, 2, "bad.yaml")
     listed = {i["name"]: i for i in json.loads(r.stdout)}
-    assert listed["good"]["records"] == {"cpu": "fresh"} and set(listed) == {"good", "bad"}
+    # the record of good was made up (its inputs hash is not the runbook's): stale, and shown
+    assert listed["good"]["records"] == {"cpu": "stale"} and listed["bad"]["records"] == {"-": "invalid record"}
     assert "malformed" in line
 
     r = cli(root, "status", "--json")
     _one_line(r, 2, "bad.yaml")
-    assert [v["verdict"] for v in json.loads(r.stdout) if v["runbook"] == "good"] == ["fresh"]
+    assert [v["verdict"] for v in json.loads(r.stdout) if v["runbook"] == "good"] == ["stale"]
 
     r = cli(root, "context")
     _one_line(r, 2, "bad.yaml")
     assert "good @ cpu" in r.stdout
 
-    assert cli(root, "status", "good").exit_code == 0  # the broken file is not asked about
+    assert cli(root, "status", "good").exit_code == 1  # stale; the broken file is not asked about
 
 
 def test_exit_code_epilog_names_malformed_records():
@@ -320,8 +322,10 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground process group
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and err.strip() == "interrupted", err
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", err
+    assert "Traceback" not in err and "Error" not in err, err
     assert not (root / "baselines" / "slow.yaml").exists()
+    assert not list((root / ".specbook" / "runs").iterdir())  # no message names the interrupted run's notebook
 
 
 KERNEL_PORTS = """
@@ -332,6 +336,7 @@ KERNEL_PORTS = """
 """
 
 
+@pytest.mark.slow
 def test_concurrent_kernel_starts_take_no_tcp_ports(tmp_path):
     """jupyter_client picks free TCP ports, closes them and hands them to the kernel: a concurrent start can take
     one in between (Address already in use, or a kernel that died before replying). Kernels here listen on sockets
@@ -363,6 +368,4 @@ def test_names_that_are_paths_are_refused_everywhere(tmp_path, args, cpu_machine
 def test_unknown_profiles_name_the_known_ones(tmp_path, args, cpu_machine):
     root = make_repo(tmp_path, bench=runbook_text(profiles="{cpu: {}, cpu.dsv3: {}}"))
     records.add_run(root, "bench", "h200", _run(0), [make_metric("x", 1.0, unit="u")])
-    line = _one_line(cli(root, *args), 2, "unknown profile", "known profiles: cpu, cpu.dsv3, h200")
-    if "cpu.typo" in args:
-        assert "did you mean cpu.dsv3" in line or "did you mean cpu" in line
+    _one_line(cli(root, *args), 2, f"unknown profile '{args[-1]}'; known profiles: cpu, cpu.dsv3, h200")
