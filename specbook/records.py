@@ -169,7 +169,7 @@ def _check_run(run: Any, where: str, bad) -> None:
 
 def _check_metric(m: Any, run_ids: set[str], where: str, bad) -> None:
     if not isinstance(m, dict) or not _is_number(m.get("value")):
-        raise bad(where, "needs a finite numeric value")
+        raise bad(where, "needs a numeric value (finite: no NaN or infinity)")
     if not isinstance(m.get("unit"), str):
         raise bad(where, "needs a unit (string)")
     if m.get("direction") not in DIRECTIONS:
@@ -186,7 +186,7 @@ def _check_metric(m: Any, run_ids: set[str], where: str, bad) -> None:
         raise bad(where, "history must be a list")
     for i, h in enumerate(m.get("history", [])):
         if not isinstance(h, dict) or not _is_number(h.get("value")):
-            raise bad(f"{where}.history[{i}]", "needs a finite numeric value")
+            raise bad(f"{where}.history[{i}]", "needs a numeric value (finite: no NaN or infinity)")
 
 
 def dump(data: dict[str, Any]) -> str:

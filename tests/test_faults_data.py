@@ -241,14 +241,14 @@ def test_a_plain_record_file_still_loads(tmp_path):
 
 
 @pytest.mark.parametrize("old, new, where", [
-    ("value: 1.0, unit", "value: .nan, unit", "needs a finite numeric value"),
-    ("value: 1.0, unit", "value: -.inf, unit", "needs a finite numeric value"),
+    ("value: 1.0, unit", "value: .nan, unit", "needs a numeric value (finite"),
+    ("value: 1.0, unit", "value: -.inf, unit", "needs a numeric value (finite"),
     ("samples: [1.0, 1.5]", "samples: [1.0, .inf]", "samples must be a list of finite numbers"),
     ("rel: 0.1", "rel: .inf", "tolerance must be"),
     ("abs: 0.0", "abs: .nan", "tolerance must be"),
-    ("history: [{value: 1.0", "history: [{value: .nan", "history[0]: needs a finite numeric value"),
+    ("history: [{value: 1.0", "history: [{value: .nan", "history[0]: needs a numeric value (finite"),
     ("history: [{value: 1.0, run: r1, date: '2026-11-29T14:40:00Z'}]", "history: [3]",
-     "history[0]: needs a finite numeric value"),
+     "history[0]: needs a numeric value (finite"),
 ])
 def test_nan_and_inf_are_refused_in_records(tmp_path, old, new, where):
     root = make_repo(tmp_path, bench=runbook_text())
