@@ -89,10 +89,7 @@ def _record(root: Path, runbook: str, cache: dict) -> dict | None:
     """The parsed baselines/RUNBOOK.yaml (validated by specbook.records), or None when there is none."""
     if runbook not in cache:
         path = records.path_for(Path(root), runbook)
-        try:
-            cache[runbook] = records.load(path).data if path.is_file() else None
-        except SpecbookError:  # malformed: `runbook status` names it; its claims read as without a record here
-            cache[runbook] = None
+        cache[runbook] = records.load(path).data if path.is_file() else None
     return cache[runbook]
 
 
