@@ -49,6 +49,8 @@ class Group(click.Group):
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT, no traceback from the kernel
+            if (ctx.obj and ctx.obj.debug) or os.environ.get("SPECBOOK_DEBUG"):
+                raise
             click.echo("interrupted", err=True)
             ctx.exit(130)
         except Exception as e:  # a bug or an environment problem: still one line unless --debug

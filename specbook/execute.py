@@ -11,6 +11,7 @@ not on TCP ports that concurrent starts could race for. Each run works in a dire
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -140,6 +141,28 @@ def _sigint_noted() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, old)
 
 
+def _forget_abandoned_cell() -> None:
+    """After Ctrl-C nobody waits for nbclient's tasks of the running cell any more; the kernel's shutdown makes them
+    fail (DeadKernelError), and asyncio reports such a task when it is collected, often at exit, as a traceback
+    ("Task exception was never retrieved"). Drop those reports of nbclient's tasks on the loop papermill ran on."""
+    from jupyter_core.utils import ensure_event_loop  # the loop nbclient's synchronous calls run on
+
+    loop = ensure_event_loop()
+    previous = loop.get_exception_handler()
+
+    def handler(loop, context: dict) -> None:
+        task = context.get("future") or context.get("task")
+        coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+        if getattr(coro, "__qualname__", "").startswith("NotebookClient."):
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
 class _KnownParameters(logging.Filter):
     """papermill's parser misses annotated parameters (`steps: int | None = None`) and calls them unknown; the
     parameters were already checked against the parameters cell (runbooks.parse_cli), so the warning is noise."""
@@ -173,8 +196,9 @@ def execute(root: Path, rb: Runbook, params: dict[str, Any], notebook: Path, pro
                                            language="python", cwd=str(root), progress_bar=progress,
                                            execution_timeout=rb.cell_timeout, timeout_func=cell_timeout,
                                            extra_arguments=quiet_kernel, config=config)
-            except Exception:
-                if sigint.is_set():  # Ctrl-C surfaced as a clean-up error (a dead kernel, a closed channel)
+            except BaseException:
+                if sigint.is_set():  # Ctrl-C, maybe surfaced as a clean-up error (a dead kernel, a closed channel)
+                    _forget_abandoned_cell()
                     raise KeyboardInterrupt from None
                 raise
     except PapermillExecutionError as e:

@@ -2,6 +2,8 @@
 hostile record files, file modes of atomic writes, leftover run directories, Ctrl-C, concurrent kernel starts, names
 that are paths, unknown profiles."""
 
+import asyncio
+import gc
 import json
 import os
 import signal
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from jupyter_core.utils import ensure_event_loop
 
 from specbook import SpecbookError, fsutil, provenance, records
 from specbook.claims import Edit, apply_edits
@@ -326,6 +329,24 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     assert "Traceback" not in err and "Error" not in err, err
     assert not (root / "baselines" / "slow.yaml").exists()
     assert not list((root / ".specbook" / "runs").iterdir())  # no message names the interrupted run's notebook
+
+
+def test_ctrl_c_leaves_no_traceback_of_the_abandoned_cell(tmp_path, cpu_machine, caplog):
+    """The cell interrupts this process while it waits for the cell's reply (the moment a Ctrl-C usually comes):
+    nbclient's task of that cell then fails as the kernel shuts down, and asyncio used to print its DeadKernelError
+    when the task was collected."""
+    root = make_repo(tmp_path, slow=runbook_text(body="""
+        import os, signal, time
+        os.kill(int(os.environ["JPY_PARENT_PID"]), signal.SIGINT)
+        time.sleep(60)
+    """))
+    r = cli(root, "run", "slow", "--json")
+    code, err = r.exit_code, r.stderr
+    del r  # its exception chain keeps nbclient's tasks alive
+    ensure_event_loop().run_until_complete(asyncio.sleep(2))  # the abandoned tasks run on, as at a later run or exit
+    gc.collect()
+    assert code == 130 and err.strip().splitlines()[-1] == "interrupted", err
+    assert not [rec.getMessage() for rec in caplog.records if rec.name == "asyncio"]
 
 
 KERNEL_PORTS = """
