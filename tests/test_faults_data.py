@@ -4,6 +4,7 @@ that are paths, unknown profiles."""
 
 import asyncio
 import gc
+import hashlib
 import json
 import os
 import signal
@@ -14,10 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from jupyter_core.utils import ensure_event_loop
 
-from specbook import SpecbookError, fsutil, provenance, records
+from specbook import fsutil, provenance, records
 from specbook.claims import Edit, apply_edits
 from specbook.record import make_metric, read_metrics
 from specbook_testing import baseline, cli, make_repo, runbook_text
@@ -186,7 +186,7 @@ def test_record_files_and_docs_keep_their_mode(tmp_path, umask_022):
     page.parent.mkdir()
     page.write_text("old")
     page.chmod(0o644)
-    apply_edits([Edit(page, __import__("hashlib").sha256(b"old").hexdigest(), "new")])
+    apply_edits([Edit(page, hashlib.sha256(b"old").hexdigest(), "new")])
     assert page.read_text() == "new" and _mode(page) == 0o644
 
 
