@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -24,6 +22,7 @@ from typing import Iterable
 import yaml
 
 from specbook import SpecbookError, records, verify
+from specbook.fsutil import atomic_write
 
 FRONT_MATTER_KEYS = ("title", "status", "updated", "runbooks", "records")
 # Pages the site generates at build time (specbook.site): links to them are not broken.
@@ -395,10 +394,7 @@ def apply_edits(edits: list[Edit]) -> list[Path]:
         if _digest(edit.path.read_text()) != edit.digest:
             raise DocsError(f"{edit.path}: changed since it was read; not overwritten (run again)")
     for edit in edits:
-        fd, tmp = tempfile.mkstemp(dir=edit.path.parent, prefix=f".{edit.path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(edit.new_text)
-        os.replace(tmp, edit.path)
+        atomic_write(edit.path, edit.new_text.encode())
     return [e.path for e in edits]
 
 

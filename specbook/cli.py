@@ -14,9 +14,9 @@ import click
 from specbook import SpecbookError, provenance, records
 from specbook.execute import Target, target
 from specbook.execute import run as run_target
-from specbook.runbooks import discover, find_root, load, parse_cli
-from specbook.verify import (FAILED, FAILING, STALE, STATES, Verdict, age, check_profile, drift, exit_code,
-                             status, verify)
+from specbook.runbooks import check_name, check_profile, discover, find_root, load, parse_cli
+from specbook.verify import (FAILED, FAILING, INVALID, STALE, STATES, Verdict, age, drift, exit_code, status,
+                             verify)
 
 EXIT_CODES = """\b
 States of a recorded number (the same words everywhere):
@@ -32,9 +32,10 @@ Exit codes:
   0  ok: nothing drifted, flaky or failed (`status`: nothing stale)
   1  drifted or flaky numbers, or docs that disagree with the records (verify --docs);
      `status`: something is stale
-  2  bad input: unknown runbook, profile or parameter, malformed header or record
+  2  bad input: unknown runbook, profile or parameter, malformed header or record;
+     `list`, `status`, `context`: a malformed record file (named on stderr; the others are still shown)
   3  could not run: a runbook failed, timed out, or cannot run on this machine's profile
-  130 interrupted"""
+  130  interrupted (Ctrl-C)"""
 
 
 @dataclass
@@ -57,6 +58,11 @@ class Group(click.Group):
             self._fail(ctx, str(e), e.exit_code)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
+        except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT, no traceback from the kernel
+            if (ctx.obj and ctx.obj.debug) or os.environ.get("SPECBOOK_DEBUG"):
+                raise
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
         except Exception as e:  # a bug or an environment problem: still one line unless --debug
             self._fail(ctx, f"{type(e).__name__}: {e} (rerun with --debug for the traceback)", 3)
 
@@ -121,7 +127,8 @@ def list_(obj: Ctx, as_json: bool) -> None:
     """Runbooks with their profiles and the state of their records."""
     root = obj.root
     states: dict[str, dict[str, str]] = {}
-    for v in status(root):
+    verdicts = status(root)
+    for v in verdicts:
         worst = states.setdefault(v.runbook, {}).get(v.profile)
         if worst is None or _rank(v.state) > _rank(worst):
             states[v.runbook][v.profile] = v.state
@@ -138,6 +145,15 @@ def list_(obj: Ctx, as_json: bool) -> None:
              ", ".join(s if p == "-" else f"{p}: {s}" for p, s in i["records"].items()) or "-", i["title"]]
             for i in items]
     _emit(as_json, items, _table(["runbook", "profiles", "depends", "records", "title"], rows))
+    _exit_if_invalid([v.detail for v in verdicts if v.state == INVALID])
+
+
+def _exit_if_invalid(problems: list[str]) -> None:
+    """Malformed record files, one line each on stderr and exit 2, after the rest was shown."""
+    for p in problems:
+        click.echo(f"error: {p}", err=True)
+    if problems:
+        click.get_current_context().exit(2)
 
 
 def _rank(state: str) -> int:
@@ -165,8 +181,9 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, recor
     rb = load(root, name)
     overrides = parse_cli(rb, params)
     here = provenance.detect_profile()
+    if profile:
+        check_profile(root, profile)
     profile = profile or here
-    check_profile(root, profile)
     if not provenance.runs_here(profile, here):
         raise SpecbookError(f"cannot measure profile {profile} on this machine (it is {here}); "
                             f"`runbook verify --profile {profile}` reports its records")
@@ -281,8 +298,9 @@ def _refresh_docs(root: Path, ran: list[str]) -> None:
 @click.pass_context
 def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str | None, docs: bool, show_all: bool,
             as_json: bool) -> None:
-    """Re-run what can run here and judge each number against its record: a noisy one (a timing) within its tolerance (derived
-    from the recorded samples, at most 25%), measured twice when it is outside; an exact number exactly."""
+    """Re-run what can run here and judge each number against its record: a noisy one (a timing) within its
+    tolerance (derived from the recorded samples, at most 25%; outside it, measured again interleaved with the
+    recorded commit's engine), an exact one to within 0.1%."""
     root = obj.root
     here = provenance.detect_profile()
     verdicts = verify(root, here, list(names) or None, profile, progress=not as_json, log=_log)
@@ -338,6 +356,7 @@ def status_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], as_json: bool)
     _emit(as_json, [v.as_dict() for v in verdicts],
           _table(VERDICT_HEADERS, _verdict_rows(verdicts)) + "\n" + summary(verdicts) if verdicts
           else "no runbooks or records")
+    _exit_if_invalid([v.detail for v in verdicts if v.state == INVALID])
     ctx.exit(code)
 
 
@@ -348,6 +367,7 @@ def status_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], as_json: bool)
 def show(obj: Ctx, name: str, as_json: bool) -> None:
     """The records of runbook NAME and their provenance."""
     root = obj.root
+    check_name(name)
     path = records.path_for(root, name)
     if not path.exists():
         load(root, name)  # unknown names fail with suggestions
@@ -402,6 +422,7 @@ def context(obj: Ctx, budget: int) -> None:
     from specbook.context import build_context
 
     click.echo(build_context(obj.root, budget), nl=False)
+    _exit_if_invalid(records.broken(obj.root))
 
 
 if __name__ == "__main__":

@@ -1,28 +1,42 @@
 """Running runbooks: papermill execution (kernel of this interpreter, per-cell and whole-run timeouts, one-line errors
 naming the failing cell and the partly executed notebook), and targets - a runbook on a profile with its
-dependencies, whose outputs are cached under a hash of their inputs."""
+dependencies, whose outputs are cached under a hash of their inputs.
+
+Concurrent runs: a target runs under a file lock on its outputs directory, so a dependency two runs both need is
+built once (the other run waits, then finds it DONE); outputs are built in place (a killed training run resumes from
+its checkpoints there) and count only once DONE is written. Kernels listen on Unix sockets in a private directory,
+not on TCP ports that concurrent starts could race for. Each run works in a directory of its own under
+.specbook/runs/ that names its process; a later run removes those of processes gone for more than a day.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import os
 import re
 import shutil
+import signal
+import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import filelock
 import jupytext
 import papermill
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from papermill.exceptions import PapermillExecutionError
+from traitlets.config import Config
 
 from specbook import RunFailed, SpecbookError, records
+from specbook.fsutil import atomic_write
 from specbook.provenance import engine_hash, fingerprint, input_fingerprint, inputs_hash, now_iso
 from specbook.record import RECORD_FILE_ENV, Metric, read_metrics
 from specbook.runbooks import Runbook, load
@@ -32,6 +46,10 @@ OWN_KERNEL = "specbook-python"  # installed into this venv when python3 would st
 DONE = "DONE"  # marker in an outputs dir: the run that produced it finished
 EXECUTED = Path("docs") / "runbooks" / "executed"  # the site renders the notebook behind each record
 LOCAL_EXECUTED = Path(".specbook") / "executed"  # the notebook of a run that recorded nothing (untracked)
+RUNS = Path(".specbook") / "runs"  # one working directory per run: its notebook and records file
+OWNER = "owner.json"  # in a run directory: the process that made it
+STALE_RUN_S = 86400.0  # a failed run's notebook stays this long for the error message that named it
+LOCK_GRACE_S = 600.0  # waiting for another run's build: its runbooks' whole-run timeouts, and this much more
 
 
 @dataclass
@@ -92,6 +110,61 @@ def _cell(rb: Runbook, nb, source: str) -> str:
         f"cell {index}"
 
 
+@contextlib.contextmanager
+def _ipc_kernel() -> Iterator[Config]:
+    """Kernel-manager config for a kernel on Unix sockets in a fresh private directory. jupyter_client's default
+    picks free TCP ports, closes them and hands them to the kernel, so concurrent starts can take each other's ports
+    ("Address already in use", or a kernel that dies before replying to kernel_info). The directory is short
+    (tempfile's, not the run's) because a socket path may not exceed about 100 bytes."""
+    sockets = tempfile.mkdtemp(prefix="specbook-kernel-")
+    try:
+        yield Config({"KernelManager": {"transport": "ipc", "ip": os.path.join(sockets, "k")}})
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _sigint_noted() -> Iterator[threading.Event]:
+    """Ctrl-C raises KeyboardInterrupt as usual, and is remembered: nbclient's clean-up of the kernel may replace it
+    with another error (DeadKernelError) that must still read as an interrupt."""
+    seen = threading.Event()
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread only
+        yield seen
+        return
+
+    def note(signum, frame) -> None:
+        seen.set()
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGINT, note)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _forget_abandoned_cell() -> None:
+    """After Ctrl-C nobody waits for nbclient's tasks of the running cell any more; the kernel's shutdown makes them
+    fail (DeadKernelError), and asyncio reports such a task when it is collected, often at exit, as a traceback
+    ("Task exception was never retrieved"). Drop those reports of nbclient's tasks on the loop papermill ran on."""
+    from jupyter_core.utils import ensure_event_loop  # the loop nbclient's synchronous calls run on
+
+    loop = ensure_event_loop()
+    previous = loop.get_exception_handler()
+
+    def handler(loop, context: dict) -> None:
+        task = context.get("future") or context.get("task")
+        coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+        if getattr(coro, "__qualname__", "").startswith("NotebookClient."):
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+
+
 class _KnownParameters(logging.Filter):
     """papermill's parser misses annotated parameters (`steps: int | None = None`) and calls them unknown; the
     parameters were already checked against the parameters cell (runbooks.parse_cli), so the warning is noise."""
@@ -135,13 +208,20 @@ def execute(root: Path, rb: Runbook, params: dict[str, Any], notebook: Path, pro
     pm_log.setLevel(logging.WARNING)  # its INFO lines repeat the progress bar
     if not any(isinstance(f, _KnownParameters) for f in pm_log.filters):
         pm_log.addFilter(_KnownParameters())
-    quiet_kernel = ["--IPKernelApp.log_level=CRITICAL"]  # its TCP warning and shutdown noise are not about the runbook
+    quiet_kernel = ["--IPKernelApp.log_level=CRITICAL"]  # its shutdown noise is not about the runbook
     try:
-        with _environ({RECORD_FILE_ENV: str(records)}):
-            papermill.execute_notebook(nb, str(notebook), parameters=params, kernel_name=ensure_kernel(),
-                                       language="python", cwd=str(root), progress_bar=False,
-                                       execution_timeout=rb.cell_timeout, timeout_func=cell_timeout,
-                                       extra_arguments=quiet_kernel, **(_live(rb, nb) if progress else {}))
+        with _environ({RECORD_FILE_ENV: str(records)}), _ipc_kernel() as config, _sigint_noted() as sigint:
+            try:
+                papermill.execute_notebook(nb, str(notebook), parameters=params, kernel_name=ensure_kernel(),
+                                           language="python", cwd=str(root), progress_bar=False,
+                                           execution_timeout=rb.cell_timeout, timeout_func=cell_timeout,
+                                           extra_arguments=quiet_kernel, config=config,
+                                           **(_live(rb, nb) if progress else {}))
+            except BaseException:
+                if sigint.is_set():  # Ctrl-C, maybe surfaced as a clean-up error (a dead kernel, a closed channel)
+                    _forget_abandoned_cell()
+                    raise KeyboardInterrupt from None
+                raise
     except PapermillExecutionError as e:
         raise RunFailed(f"runbook {rb.name}: {_cell(rb, nb, e.source)} raised {e.ename}: {e.evalue} {where}") from None
     except CellTimeoutError:
@@ -220,31 +300,116 @@ class Outcome:
 
 
 def run(root: Path, t: Target, *, record: bool, force: bool = False, progress: bool = True,
-        log=print, _ran: set[str] | None = None) -> list[Outcome]:
-    """Run missing or stale dependencies (all of them with force), then `t`; record each run when `record`."""
-    ran = set() if _ran is None else _ran
+        log=print) -> list[Outcome]:
+    """Run missing or stale dependencies (all of them with force), then `t`; record each run when `record`.
+    Each target runs under its outputs directory's lock (see the module docstring)."""
+    clean_stale_runs(root / RUNS)
+    with _building(t, log):
+        return _run_locked(root, t, record=record, force=force, progress=progress, log=log, ran=set())
+
+
+def _run_locked(root: Path, t: Target, *, record: bool, force: bool, progress: bool, log,
+                ran: set[str]) -> list[Outcome]:
     outcomes: list[Outcome] = []
     for dep in t.upstream.values():
-        if dep.rb.name not in ran and (force or not dep.done):
-            outcomes += run(root, dep, record=record, force=force, progress=progress, log=log, _ran=ran)
+        if dep.rb.name in ran or not force and dep.done:
+            continue
+        with _building(dep, log):
+            if not force and dep.done:  # DONE again under the lock: another run built it while this one waited
+                log(f"{dep.rb.name} on {dep.profile}: built by another run (inputs {dep.inputs_hash})")
+                continue
+            outcomes += _run_locked(root, dep, record=record, force=force, progress=progress, log=log, ran=ran)
     log(f"running {t.rb.name} on {t.profile} (inputs {t.inputs_hash})")
     t.outputs_dir.mkdir(parents=True, exist_ok=True)
     (t.outputs_dir / DONE).unlink(missing_ok=True)
-    runs = root / ".specbook" / "runs"
-    runs.mkdir(parents=True, exist_ok=True)
-    # one directory per run: concurrent runs of one runbook must not share the notebook or the records file
-    work = Path(tempfile.mkdtemp(prefix=f"{t.rb.name}-{t.profile}-", dir=runs))
+    work = _new_run_dir(root / RUNS, t)
     notebook = work / f"{t.rb.name}-{t.profile}.ipynb"
-    ex = execute(root, t.rb, t.injected(), notebook, progress)
+    try:
+        ex = execute(root, t.rb, t.injected(), notebook, progress)
+    except KeyboardInterrupt:
+        shutil.rmtree(work, ignore_errors=True)  # no message names it
+        raise
     if missing := [m for m in t.rb.reproduces if m not in {x.name for x in ex.metrics}]:
         raise RunFailed(f"runbook {t.rb.name} declares reproduces {missing} but did not record them "
                         f"(notebook: {notebook})")
     run_id = _record(root, t, ex) if record and ex.metrics else None
     kept = _publish(notebook, root / (EXECUTED if record else LOCAL_EXECUTED) / f"{t.rb.name}-{t.profile}.ipynb")
-    (t.outputs_dir / DONE).write_text(json.dumps({"run": run_id, "date": now_iso()}) + "\n")
+    atomic_write(t.outputs_dir / DONE, (json.dumps({"run": run_id, "date": now_iso()}) + "\n").encode())
     shutil.rmtree(work)  # only after success: a failed run's error message points into its directory
     ran.add(t.rb.name)
     return [*outcomes, Outcome(t, ex, run_id, kept)]
+
+
+_locks: dict[Path, filelock.FileLock] = {}
+
+
+def _wait_s(t: Target) -> float:
+    """How long another run may hold `t`'s lock: its build and its dependencies' builds, each within its timeout."""
+    return t.rb.timeout + sum(_wait_s(d) for d in t.upstream.values())
+
+
+@contextlib.contextmanager
+def _building(t: Target, log) -> Iterator[None]:
+    """Hold the lock of `t`'s outputs directory (beside it) while `t` and what it needs are built."""
+    path = t.outputs_dir.with_name(t.outputs_dir.name + ".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # one object per file: it is reentrant, where a second FileLock on the same file would deadlock this process
+    lock = _locks.setdefault(path, filelock.FileLock(path))
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        log(f"waiting for another run building {t.rb.name} on {t.profile} (lock {path})")
+        try:
+            lock.acquire(timeout=_wait_s(t) + LOCK_GRACE_S)
+        except filelock.Timeout:
+            raise RunFailed(f"{t.rb.name} on {t.profile}: another run has held {path} for longer than its "
+                            "timeouts allow; if no runbook is running, delete the lock file") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _new_run_dir(runs: Path, t: Target) -> Path:
+    """A directory of this run's own (concurrent runs of one runbook must not share the notebook or the records
+    file), naming the process that owns it so that a later run can tell a live run from a dead one."""
+    runs.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{t.rb.name}-{t.profile}-", dir=runs))
+    (work / OWNER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "date": now_iso()}))
+    return work
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def clean_stale_runs(runs: Path, max_age_s: float = STALE_RUN_S) -> None:
+    """Remove run directories left by killed or failed runs: of a process of this host that is gone (or naming
+    none), untouched for more than `max_age_s`. A live run's directory stays however old; a recent failure's stays
+    for the message that names its notebook."""
+    if not runs.is_dir():
+        return
+    now, host = time.time(), socket.gethostname()
+    for d in runs.iterdir():
+        try:
+            owner = json.loads((d / OWNER).read_text())
+            pid, its_host = int(owner["pid"]), owner.get("host", host)
+        except (OSError, ValueError, KeyError, TypeError):
+            pid, its_host = None, host  # from before run directories named their owner, or half-written
+        if its_host != host or pid is not None and _alive(pid):
+            continue
+        try:
+            touched = max([d.stat().st_mtime, *(p.stat().st_mtime for p in d.iterdir())])
+        except OSError:
+            continue  # removed meanwhile by a concurrent run's clean-up
+        if now - touched > max_age_s:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _record(root: Path, t: Target, ex: Execution) -> str:
@@ -264,8 +429,5 @@ def _plain(obj: Any) -> Any:
 
 def _publish(src: Path, dst: Path) -> Path:
     dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.")
-    os.close(fd)
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, dst)
+    atomic_write(dst, src.read_bytes())
     return dst

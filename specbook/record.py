@@ -108,7 +108,12 @@ def read_metrics(path: Path) -> list[Metric]:
         return []
     metrics: dict[str, Metric] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
-        m = Metric(**json.loads(line))
+        # checked again: a runbook may write the file itself, and JSON lets NaN and Infinity through
+        try:
+            fields = json.loads(line)
+            m = make_metric(fields.pop("name"), fields.pop("value"), **fields)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"malformed line in {path.name}: {line[:80]!r} ({type(e).__name__}: {e})") from None
         if m.name in metrics:
             raise ValueError(f"metric {m.name} was recorded twice in one run")
         metrics[m.name] = m

@@ -3,14 +3,18 @@
 Nothing is lost: a write goes to a temporary file that replaces the record in one step (a killed run leaves the old
 file), read-modify-write holds a file lock (two runs both land), and a file whose bytes changed since they were read
 (a hand edit) is never overwritten.
+
+A record file is data, not a document: every write re-serialises the whole file, so comments written into it by
+hand vanish on the next run (put notes in a metric's `description`, or in the docs). YAML anchors and aliases are
+refused (a record never needs them, and a few hundred bytes of nested aliases expand to gigabytes), and so are NaN
+and infinity wherever a number is expected.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import os
+import math
 import secrets
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +23,7 @@ import filelock
 import yaml
 
 from specbook import SpecbookError
+from specbook.fsutil import atomic_write
 from specbook.provenance import sha
 from specbook.record import DIRECTIONS, KINDS, Metric
 
@@ -74,6 +79,7 @@ def load(path: Path) -> RecordFile:
         return RecordFile(path, {"runbook": path.stem, "profiles": {}}, None)
     raw = path.read_bytes()
     try:
+        _refuse_aliases(raw, path)
         data = yaml.load(raw, Loader=_LOADER)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
@@ -83,8 +89,38 @@ def load(path: Path) -> RecordFile:
     return RecordFile(path, data, sha(raw))
 
 
-def load_all(root: Path) -> dict[str, RecordFile]:
-    return {p.stem: load(p) for p in sorted((root / BASELINES).glob("*.yaml"))}
+def _refuse_aliases(raw: bytes, path: Path) -> None:
+    """Anchors and aliases are refused before anything is built from them: a few hundred bytes of nested aliases
+    load as shared references but print (show, --json) as gigabytes. The event stream is checked, not the loaded
+    data, because an alias is only visible there."""
+    for event in yaml.parse(raw, Loader=_LOADER):
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            line = event.start_mark.line + 1 if event.start_mark else "?"
+            raise SpecbookError(f"{_show(path)}:{line}: YAML anchors and aliases are not allowed in a record file "
+                                "(write the values out)")
+
+
+def load_all(root: Path, skip_broken: bool = False) -> dict[str, RecordFile]:
+    """Every record file; with skip_broken, malformed ones are left out (`broken` names them)."""
+    out = {}
+    for p in sorted((root / BASELINES).glob("*.yaml")):
+        try:
+            out[p.stem] = load(p)
+        except SpecbookError:
+            if not skip_broken:
+                raise
+    return out
+
+
+def broken(root: Path) -> list[str]:
+    """One line for each malformed record file in baselines/ (empty when all load)."""
+    out = []
+    for p in sorted((root / BASELINES).glob("*.yaml")):
+        try:
+            load(p)
+        except SpecbookError as e:
+            out.append(str(e))
+    return out
 
 
 def validate(data: Any, path: Path) -> None:
@@ -110,7 +146,9 @@ def validate(data: Any, path: Path) -> None:
 
 
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite int or float: NaN compares unequal to everything (never drifts, never matches) and inf has no
+    tolerance, so neither is a measurement."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _check_run(run: Any, where: str, bad) -> None:
@@ -131,7 +169,7 @@ def _check_run(run: Any, where: str, bad) -> None:
 
 def _check_metric(m: Any, run_ids: set[str], where: str, bad) -> None:
     if not isinstance(m, dict) or not _is_number(m.get("value")):
-        raise bad(where, "needs a numeric value")
+        raise bad(where, "needs a numeric value (finite: no NaN or infinity)")
     if not isinstance(m.get("unit"), str):
         raise bad(where, "needs a unit (string)")
     if m.get("direction") not in DIRECTIONS:
@@ -141,13 +179,16 @@ def _check_metric(m: Any, run_ids: set[str], where: str, bad) -> None:
     tol = m.get("tolerance", {})
     if not isinstance(tol, dict) or set(tol) - {"rel", "abs"} or \
             not all(_is_number(v) and v >= 0 for v in tol.values()):
-        raise bad(where, "tolerance must be {rel: number >= 0, abs: number >= 0}")
+        raise bad(where, "tolerance must be {rel: finite number >= 0, abs: finite number >= 0}")
     if m.get("run") not in run_ids:
         raise bad(where, f"run {m.get('run')!r} is not among this profile's runs")
     if not isinstance(m.get("samples", []), list) or not all(_is_number(s) for s in m.get("samples", [])):
-        raise bad(where, "samples must be a list of numbers")
+        raise bad(where, "samples must be a list of finite numbers")
     if not isinstance(m.get("history", []), list):
         raise bad(where, "history must be a list")
+    for i, h in enumerate(m.get("history", [])):
+        if not isinstance(h, dict) or not _is_number(h.get("value")):
+            raise bad(f"{where}.history[{i}]", "needs a numeric value (finite: no NaN or infinity)")
 
 
 def dump(data: dict[str, Any]) -> str:
@@ -163,16 +204,7 @@ def save(rf: RecordFile) -> None:
             raise SpecbookError(f"{_show(rf.path)} changed since it was read (edited by hand?); not overwritten, "
                                 "run again")
         rf.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=_state_dir(rf.path, "tmp"), prefix=rf.path.name + ".")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, rf.path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        atomic_write(rf.path, text, tmp_dir=_state_dir(rf.path, "tmp"))  # no temp file in baselines/ if killed
     rf.digest = sha(text)
 
 

@@ -98,6 +98,30 @@ def check_name(name: str) -> None:
         raise SpecbookError(f"invalid runbook name {name!r}: use a plain name without path separators or '..'")
 
 
+def known_profiles(root: Path) -> set[str]:
+    """Profiles that some runbook's header declares or some record file holds (broken files are skipped: they are
+    reported where they are read)."""
+    from specbook import records  # records imports nothing from here; late to keep header parsing light
+
+    known: set[str] = set()
+    for name in discover(root):
+        try:
+            known.update(load(root, name).profiles)
+        except SpecbookError:
+            pass
+    for rf in records.load_all(root, skip_broken=True).values():
+        known.update(rf.data["profiles"])
+    return known
+
+
+def check_profile(root: Path, profile: str) -> None:
+    """A profile named on the command line must be one the repository knows: a typo would otherwise run nothing
+    (verify) or fail as if the runbook could not run here (run)."""
+    known = known_profiles(root)
+    if profile not in known:
+        raise SpecbookError(f"unknown profile {profile!r}; known profiles: {', '.join(sorted(known)) or 'none'}")
+
+
 def resolve(root: Path, name: str) -> Path:
     check_name(name)
     path = root / "runbooks" / f"{name}.py"

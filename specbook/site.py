@@ -61,7 +61,7 @@ def record_rows(root: Path | str) -> list[Row]:
     root = Path(root)
     index = verify.index(root)
     rows = []
-    for runbook, rf in records.load_all(root).items():
+    for runbook, rf in records.load_all(root, skip_broken=True).items():  # status names the broken ones
         for profile, prof in rf.data["profiles"].items():
             for name, m in prof["metrics"].items():
                 run = records.run_of(prof, m["run"])
@@ -115,8 +115,8 @@ def _badges(row: Row) -> str:
     """The state (with the changed inputs on hover when stale), and where it can be re-measured."""
     where = "" if row.here or row.source == "reported" else " " + badge(f"{row.profile.split('.')[0]} only",
                                                                         "re-measured only on that hardware")
-    return badge(row.verdict, row.stale_why if row.verdict == verify.STALE else verify.MEANING.get(row.verdict, "")) \
-        + where
+    why = row.stale_why if row.verdict == verify.STALE else verify.MEANING.get(row.verdict, "")
+    return badge(row.verdict, why) + where
 
 
 ARROWS = {"higher": "\u2191", "lower": "\u2193", "none": "="}  # which way is better; "=" any change is drift

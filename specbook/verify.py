@@ -27,18 +27,20 @@ from typing import Any, Callable
 from specbook import RunFailed, SpecbookError, provenance, records
 from specbook.execute import Target, run, target
 from specbook.provenance import canonical, sha
-from specbook.runbooks import check_name, discover, load
+from specbook.runbooks import check_name, check_profile, discover, load
 
 FRESH, DRIFTED, FLAKY, FAILED = "fresh", "drifted", "flaky", "failed"
 CURRENT, STALE, REPORTED, UNRECORDED = "current", "stale", "reported", "unrecorded"
-STATES = (FRESH, DRIFTED, FLAKY, FAILED, CURRENT, STALE, REPORTED, UNRECORDED)
+INVALID = "invalid record"  # status: the record file is malformed (detail: the one-line error)
+STATES = (FRESH, DRIFTED, FLAKY, FAILED, INVALID, CURRENT, STALE, REPORTED, UNRECORDED)
 # states that make a documented number untrustworthy here
-FAILING = frozenset({DRIFTED, FLAKY, FAILED, STALE})
+FAILING = frozenset({DRIFTED, FLAKY, FAILED, INVALID, STALE})
 MEANING = {
     FRESH: "re-measured here within tolerance",
     DRIFTED: "re-measured here outside tolerance (noisy numbers: on two runs)",
     FLAKY: "re-measured here twice and the runs disagree",
     FAILED: "could not be re-measured: the runbook failed or cannot be resolved",
+    INVALID: "the record file is malformed",
     CURRENT: "not re-measured by this command; its inputs are unchanged since it was recorded",
     STALE: "its inputs (code, parameters, upstream) changed since it was recorded: re-record it",
     REPORTED: "measured by hand on hardware this project cannot reach; never re-run",
@@ -116,27 +118,6 @@ def hardware(profile: str, run: dict) -> str:
 # ------------------------------------------------------------------------------------------------ names, profiles
 
 
-def known_profiles(root: Path) -> set[str]:
-    """Every profile a runbook header declares or a record holds."""
-    out: set[str] = set()
-    for name in discover(root):
-        try:
-            out.update(load(root, name).profiles)
-        except SpecbookError:
-            pass
-    for path in (root / records.BASELINES).glob("*.yaml"):
-        try:
-            out.update(records.load(path).data["profiles"])
-        except SpecbookError:
-            pass
-    return out
-
-
-def check_profile(root: Path, profile: str | None) -> None:
-    if profile is not None and profile not in known_profiles(root):
-        raise SpecbookError(f"unknown profile {profile!r}; known: {', '.join(sorted(known_profiles(root)))}")
-
-
 def _names(root: Path, names: list[str] | None) -> list[str]:
     if names:
         for n in names:
@@ -197,7 +178,11 @@ def status(root: Path, names: list[str] | None = None, here: str | None = None) 
     here = here or provenance.detect_profile()
     out, cache = [], {}
     for name in _names(root, names):
-        rf = records.load(records.path_for(root, name))
+        try:
+            rf = records.load(records.path_for(root, name))
+        except SpecbookError as e:  # one malformed file must not hide the others
+            out.append(Verdict(name, "-", "-", INVALID, detail=str(e)))
+            continue
         if not rf.data["profiles"]:
             out.append(Verdict(name, "-", "-", UNRECORDED))
         for profile, prof in rf.data["profiles"].items():
@@ -226,7 +211,8 @@ def index(root: Path, here: str | None = None) -> dict[str, Verdict]:
 def verify(root: Path, here: str, names: list[str] | None = None, profile: str | None = None,
            progress: bool = True, log: Callable[[str], None] = print) -> list[Verdict]:
     """Re-run every runbook with measured numbers on this machine's profiles and judge; report the others."""
-    check_profile(root, profile)
+    if profile is not None:
+        check_profile(root, profile)
     out, cache = [], {}
     for name in _names(root, names):
         rf = records.load(records.path_for(root, name))

@@ -1,0 +1,392 @@
+"""Faults and bad input around the data specbook keeps: dependency outputs built by concurrent runs, malformed or
+hostile record files, file modes of atomic writes, leftover run directories, Ctrl-C, concurrent kernel starts, names
+that are paths, unknown profiles."""
+
+import asyncio
+import gc
+import hashlib
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from jupyter_core.utils import ensure_event_loop
+
+from specbook import fsutil, provenance, records
+from specbook.claims import Edit, apply_edits
+from specbook.record import make_metric, read_metrics
+from specbook_testing import baseline, cli, make_repo, runbook_text
+
+
+def _here() -> str:
+    """The profile the subprocesses below detect (h200 on the GPU box, cpu elsewhere)."""
+    return provenance.profile_of(provenance.gpus())
+
+
+def _runbook_cmd(root: Path, *args: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "SPECBOOK_ROOT": str(root)}
+    return subprocess.Popen([sys.executable, "-m", "specbook.cli", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def _run(i: int) -> dict:
+    date = f"2026-11-29T14:00:{i:02d}Z"
+    return {"id": f"run-{i}", "date": date, "source": "measured", "inputs_hash": "h", "parameters": {},
+            "provenance": {"git_commit": "c"}}
+
+
+def _record(root: Path, name: str, value: float = 1.0) -> None:
+    records.add_run(root, name, "cpu", _run(0), [make_metric("x", value, unit="u", rel_tol=0.1)])
+
+
+def _one_line(result, code: int, *fragments: str) -> str:
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture
+def cpu_machine(monkeypatch):
+    monkeypatch.setattr(provenance, "detect_profile", lambda: "cpu")
+
+
+# ------------------------------------------------------------------------ 1. dependencies built by concurrent runs
+
+UP = runbook_text(profiles=f"{{{_here()}: {{}}}}", params='outputs_dir = ""', body="""
+    import time
+    from pathlib import Path
+    with open(Path(outputs_dir, "model.txt"), "a") as f:  # a second build into the same directory adds a line
+        f.write("built\\n")
+    time.sleep(3)  # long enough for a concurrent run to find the outputs unfinished
+""")
+
+
+def _consumer(extra: str = "") -> str:
+    return runbook_text(profiles=f"{{{_here()}: {{}}}}", extra_header="depends: [up]", params="upstream = {}",
+                        body=f"""
+        from pathlib import Path
+        record("builds", len(Path(upstream["up"], "model.txt").read_text().split()), unit="n", direction="none")
+        {extra}
+    """)
+
+
+@pytest.mark.slow
+def test_concurrent_consumers_build_a_dependency_once(tmp_path):
+    root = make_repo(tmp_path, up=UP, down_a=_consumer(), down_b=_consumer())
+    procs = [_runbook_cmd(root, "run", name, "--json") for name in ("down-a", "down-b")]
+    errs = []
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err
+        errs.append(err)
+    assert sum("running up" in e for e in errs) == 1, errs
+    for name in ("down-a", "down-b"):
+        assert baseline(root, name)["profiles"][_here()]["metrics"]["builds"]["value"] == 1
+
+
+def test_a_failed_dependency_build_is_not_taken_for_done(tmp_path, cpu_machine):
+    root = make_repo(tmp_path, up=runbook_text(params='outputs_dir = ""\nfail = True', body="""
+        from pathlib import Path
+        Path(outputs_dir, "model.txt").write_text("half")
+        if fail:
+            raise RuntimeError("killed mid-build")
+    """), down=_consumer().replace(f"{_here()}: {{}}", "cpu: {}"))
+    r = cli(root, "run", "down")
+    assert r.exit_code == 3 and "runbook up" in r.stderr
+    [outputs] = [d for d in (root / ".specbook" / "outputs" / "up" / "cpu").iterdir() if d.is_dir()]
+    assert (outputs / "model.txt").exists() and not (outputs / "DONE").exists()
+
+
+# ------------------------------------------------------------------------------- 2. one malformed record file
+
+def test_one_malformed_record_does_not_hide_the_others(tmp_path, cpu_machine):
+    root = make_repo(tmp_path, good=runbook_text(), bad=runbook_text())
+    _record(root, "good", 7.0)
+    (root / "baselines" / "bad.yaml").write_text("runbook: bad\nprofiles: {cpu: [\n")
+
+    r = cli(root, "list", "--json")
+    line = _one_line(r, 2, "bad.yaml")
+    listed = {i["name"]: i for i in json.loads(r.stdout)}
+    # the record of good was made up (its inputs hash is not the runbook's): stale, and shown
+    assert listed["good"]["records"] == {"cpu": "stale"} and listed["bad"]["records"] == {"-": "invalid record"}
+    assert "malformed" in line
+
+    r = cli(root, "status", "--json")
+    _one_line(r, 2, "bad.yaml")
+    assert [v["verdict"] for v in json.loads(r.stdout) if v["runbook"] == "good"] == ["stale"]
+
+    r = cli(root, "context")
+    _one_line(r, 2, "bad.yaml")
+    assert "good @ cpu" in r.stdout
+
+    assert cli(root, "status", "good").exit_code == 1  # stale; the broken file is not asked about
+
+
+def test_exit_code_epilog_names_malformed_records():
+    r = cli(Path("."), "--help")
+    assert "malformed record" in r.stdout and "the others are still shown" in r.stdout
+
+
+# ---------------------------------------------------------------------------------- 3. modes of atomic writes
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_atomic_write_keeps_the_mode_and_leaves_no_temp_file(tmp_path, umask_022):
+    new = tmp_path / "new.txt"
+    fsutil.atomic_write(new, b"one")
+    assert new.read_bytes() == b"one" and _mode(new) == 0o644
+    old = tmp_path / "old.txt"
+    old.write_bytes(b"x")
+    old.chmod(0o664)
+    fsutil.atomic_write(old, b"two")
+    assert old.read_bytes() == b"two" and _mode(old) == 0o664
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.txt", "old.txt"]
+
+
+def test_a_failed_atomic_write_leaves_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "f.txt"
+    path.write_bytes(b"old")
+
+    def broken_fsync(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    with pytest.raises(OSError, match="disk full"):
+        fsutil.atomic_write(path, b"new")
+    assert path.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+
+
+def test_record_files_and_docs_keep_their_mode(tmp_path, umask_022):
+    root = make_repo(tmp_path)
+    _record(root, "bench")
+    path = root / "baselines" / "bench.yaml"
+    assert _mode(path) == 0o644  # a new file: 0o666 less the umask
+    path.chmod(0o664)  # group-writable, as a shared checkout has it
+    records.add_run(root, "bench", "cpu", _run(1), [make_metric("x", 2.0, unit="u")])
+    assert _mode(path) == 0o664 and baseline(root, "bench")["profiles"]["cpu"]["metrics"]["x"]["value"] == 2.0
+
+    page = root / "docs" / "page.md"
+    page.parent.mkdir()
+    page.write_text("old")
+    page.chmod(0o644)
+    apply_edits([Edit(page, hashlib.sha256(b"old").hexdigest(), "new")])
+    assert page.read_text() == "new" and _mode(page) == 0o644
+
+
+def test_executed_notebook_is_readable_by_others(tmp_path, umask_022, cpu_machine):
+    root = make_repo(tmp_path, bench=runbook_text())
+    assert cli(root, "run", "bench").exit_code == 0
+    assert _mode(root / "docs" / "runbooks" / "executed" / "bench-cpu.ipynb") == 0o644
+    assert _mode(root / "baselines" / "bench.yaml") == 0o644
+
+
+# -------------------------------------------------------------------------------- 4. hostile record files
+
+GOOD = """\
+runbook: bench
+profiles:
+  cpu:
+    runs:
+    - {id: r1, date: '2026-11-29T14:40:00Z', source: measured, inputs_hash: h, parameters: {}, provenance: {}}
+    metrics:
+      x: {value: 1.0, unit: u, direction: higher, tolerance: {rel: 0.1, abs: 0.0}, run: r1, samples: [1.0, 1.5],
+          history: [{value: 1.0, run: r1, date: '2026-11-29T14:40:00Z'}]}
+"""
+
+BOMB = """\
+runbook: bench
+profiles:
+  cpu:
+    runs:
+    - id: r1
+      date: '2026-11-29T14:40:00Z'
+      source: measured
+      inputs_hash: h
+      parameters: {}
+      provenance:
+        a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]
+        b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]
+        c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]
+    metrics: {}
+"""
+
+
+def test_yaml_aliases_are_refused(tmp_path):
+    root = make_repo(tmp_path, bench=runbook_text())
+    (root / "baselines" / "bench.yaml").write_text(BOMB)
+    for args in (("show", "bench"), ("show", "bench", "--json")):
+        r = cli(root, *args)
+        line = _one_line(r, 2, "bench.yaml:11", "anchors and aliases")
+        assert len(r.stdout) < 1000, line
+
+
+def test_a_plain_record_file_still_loads(tmp_path):
+    root = make_repo(tmp_path)
+    (root / "baselines" / "bench.yaml").write_text(GOOD)
+    assert records.load(root / "baselines" / "bench.yaml").data["profiles"]["cpu"]["metrics"]["x"]["value"] == 1.0
+
+
+@pytest.mark.parametrize("old, new, where", [
+    ("value: 1.0, unit", "value: .nan, unit", "needs a numeric value (finite"),
+    ("value: 1.0, unit", "value: -.inf, unit", "needs a numeric value (finite"),
+    ("samples: [1.0, 1.5]", "samples: [1.0, .inf]", "samples must be a list of finite numbers"),
+    ("rel: 0.1", "rel: .inf", "tolerance must be"),
+    ("abs: 0.0", "abs: .nan", "tolerance must be"),
+    ("history: [{value: 1.0", "history: [{value: .nan", "history[0]: needs a numeric value (finite"),
+    ("history: [{value: 1.0, run: r1, date: '2026-11-29T14:40:00Z'}]", "history: [3]",
+     "history[0]: needs a numeric value (finite"),
+])
+def test_nan_and_inf_are_refused_in_records(tmp_path, old, new, where):
+    root = make_repo(tmp_path, bench=runbook_text())
+    assert old in GOOD
+    (root / "baselines" / "bench.yaml").write_text(GOOD.replace(old, new))
+    _one_line(cli(root, "show", "bench"), 2, "bench.yaml", "profiles.cpu.metrics.x", where)
+
+
+def test_nan_written_by_a_runbook_is_refused(tmp_path):
+    path = tmp_path / "r.records.jsonl"
+    path.write_text(json.dumps({"name": "x", "value": float("nan"), "unit": "u"}) + "\n")
+    with pytest.raises(ValueError, match="value of x must be finite"):
+        read_metrics(path)
+
+
+def test_docs_say_that_comments_in_record_files_are_not_kept():
+    root = Path(__file__).resolve().parent.parent
+    arch = (root / "docs" / "architecture.md").read_text()
+    section = arch.split("## Records", 1)[1].split("\n## ", 1)[0]
+    assert "comments" in section.lower() and "comments" in records.__doc__.lower()
+
+
+# -------------------------------------------------------------------- 5. leftover runs, Ctrl-C, kernel starts
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _run_dir(root: Path, name: str, pid: int, age_s: float) -> Path:
+    d = root / ".specbook" / "runs" / name
+    d.mkdir(parents=True)
+    (d / "owner.json").write_text(json.dumps({"pid": pid}))
+    (d / "x.ipynb").write_text("{}")
+    t = time.time() - age_s
+    for p in (d / "owner.json", d / "x.ipynb", d):
+        os.utime(p, (t, t))
+    return d
+
+
+def test_stale_run_directories_are_removed_at_the_start_of_a_run(tmp_path, cpu_machine):
+    root = make_repo(tmp_path, bench=runbook_text(), bad=runbook_text(body="raise KeyError('boom')"))
+    killed = _run_dir(root, "killed-cpu-old", _dead_pid(), 2 * 86400)
+    legacy = root / ".specbook" / "runs" / "legacy-cpu-old"  # from before runs named their owner
+    legacy.mkdir()
+    os.utime(legacy, (time.time() - 2 * 86400,) * 2)
+    failed = _run_dir(root, "failed-cpu-recent", _dead_pid(), 60)  # its error message named it an hour ago
+    running = _run_dir(root, "running-cpu-old", os.getpid(), 2 * 86400)  # a long run still going
+
+    assert cli(root, "run", "bench").exit_code == 0
+    assert not killed.exists() and not legacy.exists() and failed.exists() and running.exists()
+    assert sorted(p.name for p in (root / ".specbook" / "runs").iterdir()) == [failed.name, running.name]
+
+    r = cli(root, "run", "bad")  # a failed run keeps the notebook its message names
+    assert r.exit_code == 3
+    assert Path(r.stderr.split("partly executed notebook: ")[1].rstrip(")\n")).exists()
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    root = make_repo(tmp_path, slow=runbook_text(profiles=f"{{{_here()}: {{}}}}", body="""
+        import time
+        print("started", flush=True)
+        open("started", "w").close()
+        time.sleep(120)
+    """))
+    proc = _runbook_cmd(root, "run", "slow", "--json", start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (root / "started").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground process group
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", err
+    assert "Traceback" not in err and "Error" not in err, err
+    assert not (root / "baselines" / "slow.yaml").exists()
+    assert not list((root / ".specbook" / "runs").iterdir())  # no message names the interrupted run's notebook
+
+
+def test_ctrl_c_leaves_no_traceback_of_the_abandoned_cell(tmp_path, cpu_machine, caplog):
+    """The cell interrupts this process while it waits for the cell's reply (the moment a Ctrl-C usually comes):
+    nbclient's task of that cell then fails as the kernel shuts down, and asyncio used to print its DeadKernelError
+    when the task was collected."""
+    root = make_repo(tmp_path, slow=runbook_text(body="""
+        import os, signal, time
+        os.kill(int(os.environ["JPY_PARENT_PID"]), signal.SIGINT)
+        time.sleep(60)
+    """))
+    r = cli(root, "run", "slow", "--json")
+    code, err = r.exit_code, r.stderr
+    del r  # its exception chain keeps nbclient's tasks alive
+    ensure_event_loop().run_until_complete(asyncio.sleep(2))  # the abandoned tasks run on, as at a later run or exit
+    gc.collect()
+    assert code == 130 and err.strip().splitlines()[-1] == "interrupted", err
+    assert not [rec.getMessage() for rec in caplog.records if rec.name == "asyncio"]
+
+
+KERNEL_PORTS = """
+    import json
+    import ipykernel.connect
+    info = json.loads(open(ipykernel.connect.get_connection_file()).read())
+    record("tcp_ports", 5 if info["transport"] == "tcp" else 0, unit="n", direction="none")
+"""
+
+
+@pytest.mark.slow
+def test_concurrent_kernel_starts_take_no_tcp_ports(tmp_path):
+    """jupyter_client picks free TCP ports, closes them and hands them to the kernel: a concurrent start can take
+    one in between (Address already in use, or a kernel that died before replying). Kernels here listen on sockets
+    in a directory of their own instead; four runs start at once and all land."""
+    profile = f"{{{_here()}: {{}}}}"
+    root = make_repo(tmp_path, **{f"k{i}": runbook_text(profiles=profile, body=KERNEL_PORTS) for i in range(4)})
+    procs = [_runbook_cmd(root, "run", f"k{i}", "--json") for i in range(4)]
+    for p in procs:
+        _, err = p.communicate(timeout=240)
+        assert p.returncode == 0, err
+    for i in range(4):
+        assert baseline(root, f"k{i}")["profiles"][_here()]["metrics"]["tcp_ports"]["value"] == 0
+
+
+# --------------------------------------------------------------------------------------- 6. names that are paths
+
+@pytest.mark.parametrize("args", [("show", "../evil"), ("show", "../evil", "--json"), ("status", "../evil"),
+                                  ("verify", "../evil"), ("verify", "bench", "../evil")])
+def test_names_that_are_paths_are_refused_everywhere(tmp_path, args, cpu_machine):
+    root = make_repo(tmp_path, bench=runbook_text())
+    (root / "evil.yaml").write_text(GOOD.replace("runbook: bench", "runbook: evil"))  # valid, but outside baselines/
+    _one_line(cli(root, *args), 2, "invalid runbook name '../evil'")
+
+
+# ------------------------------------------------------------------------------------------- unknown profiles
+
+@pytest.mark.parametrize("args", [("verify", "--profile", "cpu.typo"), ("verify", "bench", "--profile", "cpu.typo"),
+                                  ("run", "bench", "--profile", "nosuch"), ("run", "bench", "--profile", "cpu.typo")])
+def test_unknown_profiles_name_the_known_ones(tmp_path, args, cpu_machine):
+    root = make_repo(tmp_path, bench=runbook_text(profiles="{cpu: {}, cpu.dsv3: {}}"))
+    records.add_run(root, "bench", "h200", _run(0), [make_metric("x", 1.0, unit="u")])
+    _one_line(cli(root, *args), 2, f"unknown profile '{args[-1]}'; known profiles: cpu, cpu.dsv3, h200")
