@@ -81,7 +81,7 @@ def _consumer(extra: str = "") -> str:
 @pytest.mark.slow
 def test_concurrent_consumers_build_a_dependency_once(tmp_path):
     root = make_repo(tmp_path, up=UP, down_a=_consumer(), down_b=_consumer())
-    procs = [_runbook_cmd(root, "run", name, "--json") for name in ("down-a", "down-b")]
+    procs = [_runbook_cmd(root, "run", "--record", name, "--json") for name in ("down-a", "down-b")]
     errs = []
     for p in procs:
         _, err = p.communicate(timeout=240)
@@ -99,7 +99,7 @@ def test_a_failed_dependency_build_is_not_taken_for_done(tmp_path, cpu_machine):
         if fail:
             raise RuntimeError("killed mid-build")
     """), down=_consumer().replace(f"{_here()}: {{}}", "cpu: {}"))
-    r = cli(root, "run", "down")
+    r = cli(root, "run", "--record", "down")
     assert r.exit_code == 3 and "runbook up" in r.stderr
     [outputs] = [d for d in (root / ".specbook" / "outputs" / "up" / "cpu").iterdir() if d.is_dir()]
     assert (outputs / "model.txt").exists() and not (outputs / "DONE").exists()
@@ -121,7 +121,7 @@ def test_one_malformed_record_does_not_hide_the_others(tmp_path, cpu_machine):
 
     r = cli(root, "status", "--json")
     _one_line(r, 2, "bad.yaml")
-    assert [v["verdict"] for v in json.loads(r.stdout) if v["runbook"] == "good"] == ["stale"]
+    assert [v["state"] for v in json.loads(r.stdout) if v["runbook"] == "good"] == ["stale"]
 
     r = cli(root, "context")
     _one_line(r, 2, "bad.yaml")
@@ -192,7 +192,7 @@ def test_record_files_and_docs_keep_their_mode(tmp_path, umask_022):
 
 def test_executed_notebook_is_readable_by_others(tmp_path, umask_022, cpu_machine):
     root = make_repo(tmp_path, bench=runbook_text())
-    assert cli(root, "run", "bench").exit_code == 0
+    assert cli(root, "run", "--record", "bench").exit_code == 0
     assert _mode(root / "docs" / "runbooks" / "executed" / "bench-cpu.ipynb") == 0o644
     assert _mode(root / "baselines" / "bench.yaml") == 0o644
 
@@ -302,7 +302,7 @@ def test_stale_run_directories_are_removed_at_the_start_of_a_run(tmp_path, cpu_m
     failed = _run_dir(root, "failed-cpu-recent", _dead_pid(), 60)  # its error message named it an hour ago
     running = _run_dir(root, "running-cpu-old", os.getpid(), 2 * 86400)  # a long run still going
 
-    assert cli(root, "run", "bench").exit_code == 0
+    assert cli(root, "run", "--record", "bench").exit_code == 0
     assert not killed.exists() and not legacy.exists() and failed.exists() and running.exists()
     assert sorted(p.name for p in (root / ".specbook" / "runs").iterdir()) == [failed.name, running.name]
 
@@ -364,7 +364,7 @@ def test_concurrent_kernel_starts_take_no_tcp_ports(tmp_path):
     in a directory of their own instead; four runs start at once and all land."""
     profile = f"{{{_here()}: {{}}}}"
     root = make_repo(tmp_path, **{f"k{i}": runbook_text(profiles=profile, body=KERNEL_PORTS) for i in range(4)})
-    procs = [_runbook_cmd(root, "run", f"k{i}", "--json") for i in range(4)]
+    procs = [_runbook_cmd(root, "run", "--record", f"k{i}", "--json") for i in range(4)]
     for p in procs:
         _, err = p.communicate(timeout=240)
         assert p.returncode == 0, err
