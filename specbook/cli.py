@@ -21,8 +21,11 @@ from specbook.verify import (FAILED, FAILING, INVALID, STALE, STATES, Verdict, a
 EXIT_CODES = """\b
 States of a recorded number (the same words everywhere):
   fresh     re-measured here within tolerance
-  drifted   re-measured here outside tolerance (a noisy number: on two runs)
-  flaky     a noisy number re-measured twice whose runs disagree
+  drifted   re-measured here outside tolerance (a noisy number: by two of three runs
+            interleaved with the recorded commit's engine)
+  moved     a noisy number outside tolerance with the code as recorded: the machine or
+            its environment moved it (shown, exit 0)
+  flaky     a noisy number whose three measurements do not agree
   failed    could not be re-measured (the runbook failed)
   current   not re-measured; its inputs are unchanged since it was recorded
   stale     not re-measured; its inputs changed since it was recorded
@@ -299,8 +302,8 @@ def _refresh_docs(root: Path, ran: list[str]) -> None:
 def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str | None, docs: bool, show_all: bool,
             as_json: bool) -> None:
     """Re-run what can run here and judge each number against its record: a noisy one (a timing) within its
-    tolerance (derived from the recorded samples, at most 25%; outside it, measured again interleaved with the
-    recorded commit's engine), an exact one to within 0.1%."""
+    tolerance (derived from the recorded samples, at most 25%; outside it, two of three measurements decide, and
+    with changed code they run interleaved with the recorded commit's engine), an exact one to within 0.1%."""
     root = obj.root
     here = provenance.detect_profile()
     verdicts = verify(root, here, list(names) or None, profile, progress=not as_json, log=_log)

@@ -2,9 +2,10 @@
 
 A recorded number is in exactly one state:
 
-- re-measured by this command: **fresh** (within tolerance), **drifted** (outside it - for a noisy number, on two runs
-  in the same direction), **flaky** (a noisy number's two runs disagree: one inside the tolerance, one outside), **failed**
-  (the runbook could not run);
+- re-measured by this command: **fresh** (within tolerance), **drifted** (outside it; a noisy number only when two of
+  three measurements against the recorded commit's engine say so), **moved** (a noisy number outside tolerance with
+  the code and parameters as recorded: the machine or environment moved, not the code; exit 0, but shown),
+  **flaky** (no two of three measurements agree: fails like drift), **failed** (the runbook could not run);
 - not re-measured: **current** (its inputs - runbook, parameters, engine code, declared inputs, upstream records -
   hash as when it was recorded), **stale** (they changed since), **reported** (measured by hand on hardware this
   project cannot reach; there are no inputs to hash).
@@ -29,14 +30,16 @@ from specbook.execute import Target, run, target
 from specbook.provenance import canonical, sha
 from specbook.runbooks import check_name, check_profile, discover, load
 
-FRESH, DRIFTED, FLAKY, FAILED = "fresh", "drifted", "flaky", "failed"
+FRESH, MOVED, DRIFTED, FLAKY, FAILED = "fresh", "moved", "drifted", "flaky", "failed"
 CURRENT, STALE, REPORTED, UNRECORDED = "current", "stale", "reported", "unrecorded"
 INVALID = "invalid record"  # status: the record file is malformed (detail: the one-line error)
-STATES = (FRESH, DRIFTED, FLAKY, FAILED, INVALID, CURRENT, STALE, REPORTED, UNRECORDED)
+STATES = (FRESH, MOVED, DRIFTED, FLAKY, FAILED, INVALID, CURRENT, STALE, REPORTED, UNRECORDED)
 # states that make a documented number untrustworthy here
 FAILING = frozenset({DRIFTED, FLAKY, FAILED, INVALID, STALE})
 MEANING = {
     FRESH: "re-measured here within tolerance",
+    MOVED: "re-measured here outside tolerance with the code and parameters as recorded: the machine or its "
+           "environment moved it, not the code",
     DRIFTED: "re-measured here outside tolerance (noisy numbers: on two runs)",
     FLAKY: "re-measured here twice and the runs disagree",
     FAILED: "could not be re-measured: the runbook failed or cannot be resolved",
@@ -266,30 +269,35 @@ def _judge(v: Verdict, prof: dict, measured: dict[str, float]) -> Verdict:
 
 
 def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], progress: bool, log) -> None:
-    """Noisy numbers outside their tolerance are measured again, interleaved against the engine they were recorded
-    with (as asv's continuous mode compares two commits): the recorded commit's tree (A) and this one (B), A B A B,
-    on this machine now. Each pair's ratio B/A is judged against the number's tolerance: both pairs outside in the
-    same direction -> drifted; both inside -> fresh (the machine, not the code, moved: its factor is noted); pairs
-    that disagree -> flaky. Without the recorded commit (no git history) B runs once more against the record."""
+    """Noisy numbers outside their tolerance get a majority of three measurements. With the code and parameters as
+    recorded (the inputs hash unchanged), the code cannot explain a drift: two more runs against the record, and a
+    majority outside it is MOVED (the machine or its environment), not drifted. With changed inputs, the runs are
+    interleaved against the engine the number was recorded with, as asv's continuous mode compares two commits: the
+    recorded commit's tree (A) and this one (B), A B three times on this machine now, and each pair's ratio B/A is a
+    vote against the tolerance: a majority outside it in one direction -> drifted, a majority inside -> fresh (the
+    machine's factor is noted). No majority -> flaky, which fails as drift does. Without git history, B runs twice
+    more against the record."""
     name, profile = t.rb.name, t.profile
-    commit = (records.run_of(prof, prof["metrics"][drifted[0].metric]["run"]).get("provenance") or {}).get("git_commit")
-    a_root = baseline_tree(root, commit)
-    if a_root is None:
-        log(f"{name} ({profile}): {len(drifted)} noisy number(s) outside tolerance; no recorded commit to compare "
-            "against, measuring once more")
-        pairs = [(None, _measure_or_none(root, t, progress, log))]
-    else:
-        log(f"{name} ({profile}): {len(drifted)} noisy number(s) outside tolerance; measuring against the recorded "
-            f"commit {commit[:10]}, interleaved (A B A B)")
+    run = records.run_of(prof, prof["metrics"][drifted[0].metric]["run"])
+    commit = (run.get("provenance") or {}).get("git_commit")
+    unchanged = run.get("inputs_hash") == t.inputs_hash
+    a_root = None if unchanged else baseline_tree(root, commit)
+    ta = None
+    if a_root is not None:
         try:
             ta = target(a_root, name, profile)
         except SpecbookError as e:
-            log(f"{name} ({profile}): the recorded commit cannot run it ({e}); measuring once more instead")
-            ta = None
-        pairs = [(_measure_or_none(a_root, ta, progress, log) if ta else None, _measure_or_none(root, t, progress, log))
-                 for _ in range(2 if ta else 1)]
+            log(f"{name} ({profile}): the recorded commit cannot run it ({e}); measuring against the record")
+    how = (f"interleaved with the recorded commit {commit[:10]} (A B, three times)" if ta else
+           "twice more against the record" + (" (code and parameters as recorded)" if unchanged else ""))
+    log(f"{name} ({profile}): {len(drifted)} noisy number(s) outside tolerance; measuring {how}")
+    if ta:
+        pairs = [(_measure_or_none(a_root, ta, progress, log), _measure_or_none(root, t, progress, log))
+                 for _ in range(3)]
+    else:
+        pairs = [(None, _measure_or_none(root, t, progress, log)) for _ in range(2)]
     for v in drifted:
-        _rejudge(v, prof["metrics"][v.metric], pairs)
+        _rejudge(v, prof["metrics"][v.metric], pairs, unchanged)
 
 
 def _measure_or_none(root: Path, t: Target, progress: bool, log) -> dict[str, float] | None:
@@ -300,38 +308,41 @@ def _measure_or_none(root: Path, t: Target, progress: bool, log) -> dict[str, fl
         return None
 
 
-def _rejudge(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None]]) -> None:
+def _majority(votes: list[str | None]) -> tuple[bool, str | None]:
+    """(whether two of three votes agree, what they agree on: None = within tolerance)."""
+    for vote in dict.fromkeys(votes):
+        if votes.count(vote) >= 2:
+            return True, vote
+    return False, None
+
+
+def _rejudge(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None]], unchanged: bool) -> None:
     """The verdict of one drifted noisy number from its confirming runs (see _confirm)."""
-    if any(b is None or v.metric not in b for _, b in pairs):
+    if any(b is None or v.metric not in b for _, b in pairs) or \
+            any(a is not None and v.metric not in a for a, _ in pairs):
         v.state, v.detail = FLAKY, "a confirming run failed or did not record it"
         return
-    if pairs[0][0] is None:  # no baseline tree: a second run against the record
-        second = pairs[0][1][v.metric]
-        again = drift(entry, second)
-        if again == v.change:
-            v.detail = f"measured {v.measured:.6g} then {second:.6g}, recorded {v.recorded:.6g}"
-        else:
-            v.state = FLAKY
-            v.detail = (f"first run {v.measured:.6g} ({v.change}), second {second:.6g} "
-                        f"({again or 'within tolerance'}), recorded {v.recorded:.6g}")
-        v.measured = second
-        return
-    if any(v.metric not in a for a, _ in pairs):
-        v.state, v.detail = FLAKY, "the recorded commit's runbook does not record it; cannot compare"
-        return
-    ratios = [b[v.metric] / a[v.metric] if a[v.metric] else float("inf") for a, b in pairs]
-    reference = {"value": 1.0, "direction": entry["direction"], "tolerance": {"rel": entry["tolerance"]["rel"]}}
-    changes = [drift(reference, r) for r in ratios]
-    machine = sum(a[v.metric] for a, _ in pairs) / len(pairs) / v.recorded if v.recorded else float("nan")
-    v.measured = sum(b[v.metric] for _, b in pairs) / len(pairs)
-    v.detail = (f"this engine / recorded engine, interleaved: {', '.join(f'{r:.3g}' for r in ratios)}; the "
-                f"recorded engine measures {machine:.3g}x its record on this machine now")
-    if all(c is None for c in changes):
+    first = v.measured
+    if pairs[0][0] is None:  # against the record
+        values = [first, *(b[v.metric] for _, b in pairs)]
+        votes = [drift(entry, x) for x in values]
+        v.measured = sorted(values)[1]
+        v.detail = f"measured {', '.join(f'{x:.6g}' for x in values)}; recorded {v.recorded:.6g}"
+    else:  # this tree against the recorded commit's, pair by pair
+        ratios = [b[v.metric] / a[v.metric] if a[v.metric] else float("inf") for a, b in pairs]
+        reference = {"value": 1.0, "direction": entry["direction"], "tolerance": {"rel": entry["tolerance"]["rel"]}}
+        votes = [drift(reference, r) for r in ratios]
+        machine = sorted(a[v.metric] for a, _ in pairs)[1] / v.recorded if v.recorded else float("nan")
+        v.measured = sorted(b[v.metric] for _, b in pairs)[1]
+        v.detail = (f"this engine / recorded engine, interleaved: {', '.join(f'{r:.3g}' for r in ratios)}; the "
+                    f"recorded engine measures {machine:.3g}x its record on this machine now (first run {first:.6g})")
+    agreed, vote = _majority(votes)
+    if not agreed:
+        v.state, v.change = FLAKY, next(c for c in votes if c)
+    elif vote is None:
         v.state, v.change = FRESH, None
-    elif len(set(changes)) == 1:
-        v.state, v.change = DRIFTED, changes[0]
     else:
-        v.state, v.change = FLAKY, next(c for c in changes if c)
+        v.state, v.change = (MOVED if unchanged else DRIFTED), vote
 
 
 def baseline_tree(root: Path, commit: str | None) -> Path | None:

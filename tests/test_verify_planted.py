@@ -61,7 +61,9 @@ def test_unchanged_green_and_planted_slowdown_caught_under_load(clone: Path, two
     code, out = verify(clone)
     got = states(out)
     assert code == 0, {m: s for m, s in got.items() if s[0] != "fresh"}
-    assert got["decode_tok_s"][0] == "fresh" and got["weight_gb"][0] == "fresh"
+    # the code is as recorded: a timing may have moved with this machine (shown), it cannot have drifted
+    assert got["decode_tok_s"][0] in ("fresh", "moved") and got["weight_gb"][0] == "fresh"
+    assert not {m for m, s in got.items() if s[0] not in ("fresh", "moved")}
 
     model = clone / "engine" / "model.py"
     model.write_text(model.read_text() + SLOWDOWN)
