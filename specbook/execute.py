@@ -210,7 +210,11 @@ def execute(root: Path, rb: Runbook, params: dict[str, Any], notebook: Path, pro
         pm_log.addFilter(_KnownParameters())
     quiet_kernel = ["--IPKernelApp.log_level=CRITICAL"]  # its shutdown noise is not about the runbook
     try:
-        with _environ({RECORD_FILE_ENV: str(records)}), _ipc_kernel() as config, _sigint_noted() as sigint:
+        # the kernel imports this repository's engine first, also where PYTHONPATH names another checkout (a verify
+        # runs the recorded commit's tree beside this one)
+        path = os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])
+        with _environ({RECORD_FILE_ENV: str(records), "PYTHONPATH": path}), _ipc_kernel() as config, \
+                _sigint_noted() as sigint:
             try:
                 papermill.execute_notebook(nb, str(notebook), parameters=params, kernel_name=ensure_kernel(),
                                            language="python", cwd=str(root), progress_bar=False,

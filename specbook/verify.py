@@ -269,9 +269,10 @@ def _judge(v: Verdict, prof: dict, measured: dict[str, float]) -> Verdict:
 
 
 def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], progress: bool, log) -> None:
-    """Noisy numbers outside their tolerance get a majority of three measurements. With the code and parameters as
-    recorded (the inputs hash unchanged), the code cannot explain a drift: two more runs against the record, and a
-    majority outside it is MOVED (the machine or its environment), not drifted. With changed inputs, the runs are
+    """Noisy numbers outside their tolerance get three measurements. With the code and parameters as recorded (the
+    inputs hash unchanged), the code cannot explain a drift: two more runs against the record, and a median outside
+    it is MOVED (the machine or its environment: shown with the values, exit 0), not drifted. With changed inputs, the
+    runs are
     interleaved against the engine the number was recorded with, as asv's continuous mode compares two commits: the
     recorded commit's tree (A) and this one (B), A B three times on this machine now, and each pair's ratio B/A is a
     vote against the tolerance: a majority outside it in one direction -> drifted, a majority inside -> fresh (the
@@ -325,9 +326,13 @@ def _rejudge(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None
     first = v.measured
     if pairs[0][0] is None:  # against the record
         values = [first, *(b[v.metric] for _, b in pairs)]
-        votes = [drift(entry, x) for x in values]
         v.measured = sorted(values)[1]
         v.detail = f"measured {', '.join(f'{x:.6g}' for x in values)}; recorded {v.recorded:.6g}"
+        if unchanged:  # the code as recorded cannot be flaky, the machine can: its median decides, shown as moved
+            v.change = drift(entry, v.measured)
+            v.state = MOVED if v.change else FRESH
+            return
+        votes = [drift(entry, x) for x in values]
     else:  # this tree against the recorded commit's, pair by pair
         ratios = [b[v.metric] / a[v.metric] if a[v.metric] else float("inf") for a, b in pairs]
         reference = {"value": 1.0, "direction": entry["direction"], "tolerance": {"rel": entry["tolerance"]["rel"]}}

@@ -87,7 +87,8 @@ def test_verify_drift_exits_1(tmp_path, direction, new, change):
     root = make_repo(tmp_path, bench=FROM_FILE)
     (root / "value.txt").write_text("100")
     assert cli(root, "run", "--record", "bench", "-p", f"direction={direction}").exit_code == 0
-    (root / "value.txt").write_text(new)
+    write_runbook(root, "bench", FROM_FILE + "# changed since recorded\n")
+    (root / "value.txt").write_text(new)  # and the code changed: measured three times, two of three decide
     r = cli(root, "verify", "bench", "--json")
     v = json.loads(r.stdout)["verdicts"][0]
     assert r.exit_code == 1 and v["state"] == "drifted" and v["change"] == change

@@ -151,24 +151,28 @@ def sequence_runbook(direction: str) -> str:
     return runbook_text(body=body)
 
 
-@pytest.mark.parametrize("direction,runs,state,left", [
-    ("lower", "1.05", FRESH, ""),  # within tolerance: one run
-    ("lower", "3.0 1.05 1.02", FRESH, ""),  # a noisy moment: two of three runs are within tolerance
-    ("lower", "3.0 2.9 2.8", MOVED, ""),  # the code is as recorded: the machine moved, shown but not a failure
-    ("lower", "3.0 1.05 0.5", FLAKY, ""),  # no two runs agree: neither verdict can be trusted
-    ("none", "3.0 1.0", DRIFTED, "1.0"),  # an exact number: no second run
+@pytest.mark.parametrize("direction,runs,changed,state,left", [
+    ("lower", "1.05", False, FRESH, ""),  # within tolerance: one run
+    ("lower", "3.0 1.05 1.02", False, FRESH, ""),  # a noisy moment: the median of three is within tolerance
+    ("lower", "3.0 2.9 2.8", False, MOVED, ""),  # the code is as recorded: the machine moved, shown, exit 0
+    ("lower", "3.0 1.05 0.5", False, FRESH, ""),  # the code as recorded: the machine's median decides
+    ("lower", "3.0 2.9 2.8", True, DRIFTED, ""),  # changed code (no git here): two of three runs drift
+    ("lower", "3.0 1.05 0.5", True, FLAKY, ""),  # changed code, no two runs agree: neither verdict can be trusted
+    ("none", "3.0 1.0", False, DRIFTED, "1.0"),  # an exact number: no second run
 ])
-def test_a_drifted_noisy_number_gets_a_majority_of_three(tmp_path, direction, runs, state, left):
+def test_a_drifted_noisy_number_gets_three_measurements(tmp_path, direction, runs, changed, state, left):
     root = make_repo(tmp_path, seq=sequence_runbook(direction))
     (root / "seq.txt").write_text("1.0")
     assert cli(root, "run", "seq", "--record").exit_code == 0
+    if changed:
+        write_runbook(root, "seq", sequence_runbook(direction) + "# changed since recorded\n")
     (root / "seq.txt").write_text(runs)
     logged = []
     [v] = verify(root, "cpu", progress=False, log=logged.append)
     assert (v.state, (root / "seq.txt").read_text()) == (state, left)
     if len(runs.split()) == 3:
         assert f"measured {', '.join(f'{float(x):g}' for x in runs.split())}" in v.detail
-        assert any("code and parameters as recorded" in m for m in logged)
+        assert any(("code and parameters as recorded" in m) != changed for m in logged if "measuring" in m)
     assert exit_code([v]) == (1 if state in (FLAKY, DRIFTED) else 0)
 
 
