@@ -3,25 +3,12 @@ import json
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 from engine.__main__ import cli
+from engine_cli_testing import assert_bad_input, run
 from engine.loading import random_model, save_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def run(*args: str):
-    return CliRunner().invoke(cli, list(args))
-
-
-def assert_bad_input(result, *words: str) -> None:
-    assert result.exit_code == 2, (result.exit_code, result.output, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output
-    for w in words:
-        assert w in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")

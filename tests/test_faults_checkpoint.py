@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from engine.__main__ import cli
+from engine_cli_testing import assert_bad_input, run
 from engine.errors import EngineError
 from engine.loading import random_model, save_model
 from engine.runtime import Engine
@@ -36,19 +35,6 @@ def broken(src: Path, dst: Path, edit: Edit) -> Path:
     shutil.copytree(src, dst)
     edit(dst)
     return dst
-
-
-def run(*args: str):
-    return CliRunner().invoke(cli, list(args))
-
-
-def assert_bad_input(result, *words: str) -> None:
-    assert result.exit_code == 2, (result.exit_code, result.output, result.stderr)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert "Traceback" not in result.output and "internal failure" not in lines[0]
-    for w in words:
-        assert w in lines[0], (w, lines[0])
 
 
 def assert_refused(d: Path, *words: str) -> None:
