@@ -296,17 +296,21 @@ def _refresh_docs(root: Path, ran: list[str]) -> None:
 @click.option("--docs", is_flag=True, help="Also check that numbers in docs/ and README.md match the records.")
 @click.option("--all", "show_all", is_flag=True, help="List every number, not only those re-measured here or in "
               "a failing state.")
+@click.option("--gpus", default="all", show_default=True, metavar="all|N|ID,ID", help="GPUs to spread the "
+              "re-measured runbooks over, one runbook per GPU at a time, dependencies first: all visible ones, the "
+              "first N, or these ids. 1 runs them one after another, as on a CPU.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (no progress bar).")
 @click.pass_obj
 @click.pass_context
 def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str | None, docs: bool, show_all: bool,
-            as_json: bool) -> None:
+            gpus: str, as_json: bool) -> None:
     """Re-run what can run here and judge each number against its record: a noisy one (a timing) within its
     tolerance (derived from the recorded samples, at most 25%; outside it, two of three measurements decide, and
     with changed code they run interleaved with the recorded commit's engine), an exact one to within 0.1%."""
     root = obj.root
     here = provenance.detect_profile()
-    verdicts = verify(root, here, list(names) or None, profile, progress=not as_json, log=_log)
+    ids = _gpu_ids(gpus)
+    verdicts = verify(root, here, list(names) or None, profile, progress=not as_json, log=_log, gpus=ids)
     code = exit_code(verdicts)
     problems = [str(p) for p in _check_docs(root)] if docs else []
     if problems and code == 0:
@@ -318,6 +322,22 @@ def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str |
     _emit(as_json, {"profile": here, "verdicts": [v.as_dict() for v in verdicts], "docs": problems,
                     "exit_code": code}, text)
     ctx.exit(code)
+
+
+def _gpu_ids(spec: str) -> list[str]:
+    """The GPU ids `--gpus` names, as CUDA_VISIBLE_DEVICES values for the children."""
+    visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()] or \
+        [str(i) for i in range(len(provenance.gpus()))]
+    if spec == "all":
+        return visible
+    if spec.isdigit():
+        if not 1 <= int(spec) <= len(visible):
+            raise SpecbookError(f"--gpus {spec}: this machine has {len(visible)} visible GPU(s)")
+        return visible[:int(spec)]
+    ids = [g.strip() for g in spec.split(",") if g.strip()]
+    if not ids or any(i not in visible for i in ids):
+        raise SpecbookError(f"--gpus {spec}: not among the visible GPUs ({','.join(visible) or 'none'})")
+    return ids
 
 
 def _check_docs(root: Path) -> list:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime as dt
 import io
+import json
 import shutil
 import subprocess
 import tarfile
@@ -27,6 +28,7 @@ from typing import Any, Callable
 
 from specbook import RunFailed, SpecbookError, provenance, records
 from specbook.execute import Target, run, target
+from specbook.parallel import Job, schedule, verify_child
 from specbook.provenance import canonical, sha
 from specbook.runbooks import check_name, check_profile, discover, load
 
@@ -212,11 +214,13 @@ def index(root: Path, here: str | None = None) -> dict[str, Verdict]:
 
 
 def verify(root: Path, here: str, names: list[str] | None = None, profile: str | None = None,
-           progress: bool = True, log: Callable[[str], None] = print) -> list[Verdict]:
-    """Re-run every runbook with measured numbers on this machine's profiles and judge; report the others."""
+           progress: bool = True, log: Callable[[str], None] = print, gpus: list[str] | None = None) -> list[Verdict]:
+    """Re-run every runbook with measured numbers on this machine's profiles and judge; report the others. With
+    more than one of `gpus`, the runbooks are spread over them (see specbook.parallel)."""
     if profile is not None:
         check_profile(root, profile)
-    out, cache = [], {}
+    groups: list[list[Verdict] | tuple[str, str, dict, list[Verdict]]] = []
+    cache: dict = {}
     for name in _names(root, names):
         rf = records.load(records.path_for(root, name))
         for pname, prof in rf.data["profiles"].items():
@@ -224,11 +228,35 @@ def verify(root: Path, here: str, names: list[str] | None = None, profile: str |
                 continue
             static = _static(root, name, pname, prof, here, cache)
             if not any(v.here for v in static) or all(v.state == FAILED for v in static):
-                out += static
-                continue
-            out += _rerun(root, name, pname, prof, static, progress, log)
+                groups.append(static)
+            else:
+                groups.append((name, pname, prof, static))
         if not rf.data["profiles"] and profile in (None, here):
-            out.append(Verdict(name, here, "-", UNRECORDED))
+            groups.append([Verdict(name, here, "-", UNRECORDED)])
+    todo = [g for g in groups if isinstance(g, tuple)]
+    if gpus and len(gpus) > 1 and len(todo) > 1:
+        judged = _rerun_parallel(root, todo, gpus, log)
+    else:
+        judged = {(n, p): _rerun(root, n, p, prof, static, progress, log) for n, p, prof, static in todo}
+    return [v for g in groups for v in (judged[g[:2]] if isinstance(g, tuple) else g)]
+
+
+def _rerun_parallel(root: Path, todo: list[tuple[str, str, dict, list[Verdict]]], gpus: list[str],
+                    log) -> dict[tuple[str, str], list[Verdict]]:
+    """Each runbook re-measured by a child `runbook verify` on one GPU, dependencies first."""
+    jobs = [Job(n, p, frozenset(f"{d}/{p}" for d in target(root, n, p).upstream)) for n, p, _, _ in todo]
+    log(f"re-measuring {len(jobs)} runbooks on {len(gpus)} GPUs ({', '.join(gpus)}), one runbook per GPU at a time")
+    done = {f.job.key: f for f in schedule(jobs, gpus, verify_child(root, root / ".specbook" / "parallel", log),
+                                           log)}
+    out = {}
+    for n, p, _, static in todo:
+        f = done[f"{n}/{p}"]
+        try:
+            out[(n, p)] = [Verdict(**{k: v for k, v in d.items() if k != "key"})
+                           for d in json.loads(f.stdout)["verdicts"]]
+        except (ValueError, KeyError, TypeError):
+            out[(n, p)] = [_failed(v, f"its verify on GPU {f.slot} exited {f.returncode} without a verdict; "
+                                      "see the log above") if v.here else v for v in static]
     return out
 
 

@@ -1,0 +1,112 @@
+"""Re-measure on several GPUs at once.
+
+`runbook verify` on a machine with N GPUs runs up to N runbooks at a time, each in a child `runbook verify NAME
+--profile P --json` pinned to one GPU (CUDA_VISIBLE_DEVICES), so no two measurements share a device. A runbook starts
+once the runbooks it depends on (on the same profile) have finished, which leaves their outputs built for it; among
+the ready ones the runbook with the longest chain of dependents goes first, since the chain bounds the wall time.
+The children's verdicts are merged as if one process had judged them all.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    profile: str
+    after: frozenset[str]  # keys of the jobs that must finish first
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}/{self.profile}"
+
+
+@dataclass
+class Finished:
+    job: Job
+    returncode: int
+    stdout: str
+    seconds: float
+    slot: str
+
+
+def chain_lengths(jobs: list[Job]) -> dict[str, int]:
+    """For each job, the number of jobs on its longest chain of dependents, itself included."""
+    dependents: dict[str, list[str]] = {j.key: [] for j in jobs}
+    for j in jobs:
+        for a in j.after:
+            dependents[a].append(j.key)
+    memo: dict[str, int] = {}
+
+    def length(key: str) -> int:
+        if key not in memo:
+            memo[key] = 1 + max((length(d) for d in dependents[key]), default=0)
+        return memo[key]
+
+    return {j.key: length(j.key) for j in jobs}
+
+
+def schedule(jobs: list[Job], slots: list[str], start: Callable[[Job, str], subprocess.Popen],
+             log: Callable[[str], None], poll_s: float = 0.2) -> list[Finished]:
+    """Run every job on one of `slots` (one job per slot at a time), dependencies first. A job whose dependency
+    failed still runs: its own verify then builds what it needs, or fails with the reason."""
+    keys = {j.key for j in jobs}
+    jobs = [Job(j.name, j.profile, frozenset(a for a in j.after if a in keys)) for j in jobs]
+    rank = chain_lengths(jobs)
+    waiting = sorted(jobs, key=lambda j: -rank[j.key])
+    free, running, done = list(slots), {}, []
+    finished_keys: set[str] = set()
+    while waiting or running:
+        for job in [j for j in waiting if j.after <= finished_keys]:
+            if not free:
+                break
+            slot = free.pop(0)
+            log(f"[{slot}] {job.key}: started")
+            running[job.key] = (job, slot, start(job, slot), time.monotonic())
+            waiting.remove(job)
+        for key, (job, slot, proc, t0) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            out = proc.output.read_text() if hasattr(proc, "output") else ""
+            seconds = time.monotonic() - t0
+            log(f"[{slot}] {key}: finished in {seconds:.0f} s (exit {proc.returncode})")
+            done.append(Finished(job, proc.returncode, out, seconds, slot))
+            finished_keys.add(key)
+            free.append(slot)
+            del running[key]
+        time.sleep(poll_s)
+    return done
+
+
+def verify_child(root: Path, scratch: Path, log: Callable[[str], None]) -> Callable[[Job, str], subprocess.Popen]:
+    """A starter for `schedule`: `runbook verify NAME --profile P --json` on GPU `slot`, its JSON written to a file
+    under `scratch` (a pipe could fill and stall the child), its log lines relayed with the GPU as prefix."""
+    scratch.mkdir(parents=True, exist_ok=True)
+
+    def start(job: Job, slot: str) -> subprocess.Popen:
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": slot, "PYTHONUNBUFFERED": "1"}
+        output = scratch / f"{job.name}-{job.profile}.json"
+        with output.open("w") as f:
+            proc = subprocess.Popen([sys.executable, "-m", "specbook.cli", "--root", str(root), "verify", job.name,
+                                     "--profile", job.profile, "--json"], env=env, stdout=f,
+                                    stderr=subprocess.PIPE, text=True)
+        proc.output = output  # type: ignore[attr-defined]
+        threading.Thread(target=_relay, args=(proc, f"[gpu {slot}] ", log), daemon=True).start()
+        return proc
+
+    return start
+
+
+def _relay(proc: subprocess.Popen, prefix: str, log: Callable[[str], None]) -> None:
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        log(prefix + line.rstrip())

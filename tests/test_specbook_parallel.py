@@ -1,0 +1,77 @@
+"""Spreading `runbook verify` over GPUs: the scheduler's order, and verdicts merged from child processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from specbook.parallel import Job, chain_lengths, schedule
+from specbook.verify import FRESH, verify
+from specbook_testing import cli, make_repo, runbook_text
+
+
+def _job(name: str, *after: str) -> Job:
+    return Job(name, "h200", frozenset(f"{a}/h200" for a in after))
+
+
+def test_chain_lengths_count_the_longest_chain_of_dependents():
+    jobs = [_job("target"), _job("drafter", "target"), _job("eagle", "drafter"), _job("probe", "drafter"),
+            _job("decode")]
+    assert chain_lengths(jobs) == {"target/h200": 3, "drafter/h200": 2, "eagle/h200": 1, "probe/h200": 1,
+                                   "decode/h200": 1}
+
+
+def test_schedule_runs_dependencies_first_and_one_job_per_slot(tmp_path):
+    log = tmp_path / "events"
+    jobs = [_job("decode"), _job("eagle", "drafter"), _job("drafter", "target"), _job("target"), _job("cost")]
+
+    def start(job: Job, slot: str) -> subprocess.Popen:
+        code = ("import sys, time; f = open(sys.argv[1], 'a'); f.write(f'start {sys.argv[2]} {sys.argv[3]} "
+                "{time.monotonic()}\\n'); f.flush(); time.sleep(0.4); f.write(f'end {sys.argv[2]} {sys.argv[3]} "
+                "{time.monotonic()}\\n')")
+        return subprocess.Popen([sys.executable, "-c", code, str(log), job.name, slot])
+
+    t0 = time.monotonic()
+    done = schedule(jobs, ["0", "1"], start, log=lambda m: None, poll_s=0.02)
+    wall = time.monotonic() - t0
+    assert sorted(f.job.name for f in done) == ["cost", "decode", "drafter", "eagle", "target"]
+    assert all(f.returncode == 0 for f in done)
+    events = [line.split() for line in log.read_text().splitlines()]
+    at = {(kind, name): float(t) for kind, name, _, t in events}
+    assert at[("start", "drafter")] >= at[("end", "target")]
+    assert at[("start", "eagle")] >= at[("end", "drafter")]
+    by_slot: dict[str, list[tuple[float, float]]] = {}
+    for kind, name, slot, _ in events:
+        if kind == "start":
+            by_slot.setdefault(slot, []).append((at[("start", name)], at[("end", name)]))
+    for spans in by_slot.values():  # a slot never runs two jobs at once
+        spans.sort()
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    assert set(by_slot) == {"0", "1"}
+    assert wall < 5 * 0.4  # five jobs of 0.4 s on two slots overlap: the chain of three bounds it
+
+
+def test_verify_on_several_gpus_merges_the_children_verdicts(tmp_path):
+    root = make_repo(tmp_path, up=runbook_text(), down=runbook_text(extra_header="depends: [up]"),
+                     other=runbook_text(body='record("y", 3, unit="n", direction="none", kind="exact")'))
+    for name in ("down", "other"):
+        assert cli(root, "run", name, "--record").exit_code == 0
+    lines: list[str] = []
+    vs = verify(root, "cpu", progress=False, log=lines.append, gpus=["0", "1"])
+    assert {(v.runbook, v.metric): v.state for v in vs} == {("up", "x"): FRESH, ("down", "x"): FRESH,
+                                                            ("other", "y"): FRESH}
+    assert all(v.measured is not None for v in vs)
+    assert any("re-measuring 3 runbooks on 2 GPUs" in line for line in lines)
+    starts = [line for line in lines if line.endswith(": started")]
+    assert starts[0].endswith("up/cpu: started") or starts[1].endswith("up/cpu: started")
+    assert not any(line.endswith("down/cpu: started") for line in starts[:2])  # down waits for up
+
+
+def test_gpus_beyond_the_visible_ones_are_bad_input(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    root = make_repo(tmp_path, a=runbook_text())
+    r = cli(root, "verify", "--gpus", "3")
+    assert r.exit_code == 2 and "--gpus 3: this machine has 2 visible GPU(s)" in r.stderr
+    r = cli(root, "verify", "--gpus", "0,7")
+    assert r.exit_code == 2 and "not among the visible GPUs (0,1)" in r.stderr
