@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.metrics import accept_length
 from engine.sampling import SamplingParams
 
 
@@ -75,7 +76,7 @@ class CycleStats:
     tok_s: float
     samples: list[float]  # tok/s of each pass
     ms_per_cycle: float  # target forwards after the prefill: decode steps for the baseline, verify cycles here
-    accept_length: float
+    accept_length: float  # engine.metrics.accept_length over the median pass's prompts (token-weighted)
     draft_ms: float
     verify_ms: float
     other_ms: float
@@ -99,5 +100,5 @@ def cycle_stats(decoder, prompts: list[list[int]], new_tokens: int, repeats: int
         return 1e3 * sum(getattr(r, attr) for r in timed) / n
 
     return CycleStats(tok_s, [p[0] for p in passes], 1e3 * secs / cycles,
-                      sum(r.decode_tokens for r in runs) / cycles, per_cycle("draft_s"), per_cycle("verify_s"),
+                      accept_length(sum(r.decode_tokens for r in runs), cycles), per_cycle("draft_s"), per_cycle("verify_s"),
                       per_cycle("other_s"), [r.token_ids for r in runs])
