@@ -87,8 +87,8 @@ if at_scale:
     import sys
     from pathlib import Path
 
-    from engine.backends import LaunchConfig, SpecSettings, serving
-    from engine.backends.accept import accept_by_prompt_set, mean_accept
+    from engine.backends import LaunchConfig, serving
+    from engine.backends.accept import chain_accept_by_prompt_set, mean_accept
     from engine.backends.features import subset
     from engine.backends.regenerate import regenerate
     from engine.backends.specforge import CaptureRun, TrainRun, run_logged, train_and_export
@@ -116,9 +116,8 @@ if at_scale:
     run_logged(cap.command(), work / "capture.log", env)
 
     def served_accept(draft: str, label: str) -> float:
-        cfg = LaunchConfig(model=target, drafter=draft, spec=SpecSettings(steps=chain_steps, topk=1,
-                                                                          draft_tokens=chain_steps + 1), **server)
-        per_set = accept_by_prompt_set("sglang", cfg, prompt_sets, requests=requests, max_tokens=max_tokens)
+        per_set = chain_accept_by_prompt_set("sglang", target, draft, chain_steps, prompt_sets, requests=requests,
+                                             max_tokens=max_tokens, launch=server)
         for name, s in per_set.items():
             print(f"{label}, prompt set {name}: accept length {s.accept_length:.3f}")
             record(f"accept_{label}.{name}", s.accept_length, unit="tokens/cycle", kind=kind, direction="higher",
