@@ -73,6 +73,7 @@ from engine.metrics import breakeven, exact_match, projected_speedup, projected_
 from engine.speculate import SpecDecoder
 from engine.timing import cycle_stats
 from engine.train.drafter import prompt_ids
+from engine.train.layout import DrafterOutputs, TargetOutputs
 from engine.train.tokenizer import load_tokenizer
 from specbook import record
 
@@ -82,8 +83,8 @@ if dev.type == "cpu" and cpu_threads:
 graphs = dev.type == "cuda"
 if not (target or "train-target" in upstream) or not (drafter or "train-drafter" in upstream):
     raise ValueError("give -p target=DIR -p drafter=DIR, or run through `runbook run` so the upstream models arrive")
-target_dir = Path(target or Path(upstream["train-target"]) / "target-a")
-drafter_dir = Path(drafter or Path(upstream["train-drafter"]) / "drafter-a")
+target_dir = Path(target or TargetOutputs(upstream["train-target"]).target_a)
+drafter_dir = Path(drafter or DrafterOutputs(upstream["train-drafter"]).drafter_a)
 tgt = load_model(target_dir, dev, dt)
 dft = load_drafter(drafter_dir, tgt, dev, dt)
 prompts = [p[:prompt_len] for p in prompt_ids(load_tokenizer(target_dir), n_prompts, 8 * prompt_len, "A")]

@@ -133,6 +133,7 @@ if not at_scale:  # the miniature pair, in this process
     from engine.drafter import load_drafter
     from engine.loading import load_model
     from engine.train.drafter import accept_length, check_pair, prompt_ids
+    from engine.train.layout import DrafterOutputs, TargetOutputs
     from engine.train.presets import get_preset
     from engine.train.tokenizer import load_tokenizer
     from specbook import record
@@ -140,9 +141,9 @@ if not at_scale:  # the miniature pair, in this process
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     p = get_preset(preset)
-    dir_a = Path(target or Path(upstream["train-target"]) / "target-a")
-    dir_b = Path(target_b or Path(upstream["train-target"]) / "target-b")
-    dir_d = Path(drafter or Path(upstream["train-drafter"]) / "drafter-a")
+    dir_a = Path(target or TargetOutputs(upstream["train-target"]).target_a)
+    dir_b = Path(target_b or TargetOutputs(upstream["train-target"]).target_b)
+    dir_d = Path(drafter or DrafterOutputs(upstream["train-drafter"]).drafter_a)
     for d in (dir_a, dir_b):
         check_pair(d, dir_d)
     model_a = load_model(dir_a, device=device, dtype=p.dtype)

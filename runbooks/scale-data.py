@@ -154,6 +154,7 @@ if not at_scale:  # the miniature pair, in this process
     from engine.drafter import load_drafter
     from engine.loading import load_model
     from engine.train.drafter import accept_length, check_pair, prompt_ids, train_drafter
+    from engine.train.layout import TargetOutputs
     from engine.train.presets import get_preset, with_overrides
     from engine.train.tokenizer import load_tokenizer
     from specbook import record
@@ -163,7 +164,7 @@ if not at_scale:  # the miniature pair, in this process
     out = Path(outputs_dir or tempfile.mkdtemp(prefix="scale-data-"))
     p = get_preset(preset)
     run = with_overrides(p.drafter, steps=steps, mix="B")
-    dir_b = Path(target or Path(upstream["train-target"]) / "target-b")
+    dir_b = Path(target or TargetOutputs(upstream["train-target"]).target_b)
     prompts = prompt_ids(load_tokenizer(dir_b), eval_prompts or p.eval_prompts, p.prompt_chars, "B")
     model_b = load_model(dir_b, device=device, dtype=p.dtype)
 
