@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -25,18 +26,36 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+_clock_override: Callable[[], float] | None = None
+
+
 def clock(device: torch.device) -> Callable[[], float]:
-    """Seconds, for differences only: wall time on CUDA, this process's CPU time elsewhere (see the module doc)."""
+    """Seconds, for differences only: wall time on CUDA, this process's CPU time elsewhere (see the module doc);
+    inside `use_clock`, the clock given there."""
+    if _clock_override is not None:
+        return _clock_override
     return time.perf_counter if device.type == "cuda" else time.process_time
+
+
+@contextmanager
+def use_clock(now: Callable[[], float]) -> Iterator[None]:
+    """Every measurement inside the block reads `now` (seconds) instead of the device's clock, CUDA events
+    included: a test scripts the time each piece of work takes and checks the numbers derived from it."""
+    global _clock_override
+    before, _clock_override = _clock_override, now
+    try:
+        yield
+    finally:
+        _clock_override = before
 
 
 def time_fn(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 2) -> float:
     """Seconds per call of fn after warm-up: on CUDA the mean of `iters` back-to-back calls between two events; on
-    CPU the median CPU time of `iters` timed calls."""
+    CPU (or inside `use_clock`) the median of `iters` timed calls."""
     for _ in range(warmup):
         fn()
     sync(device)
-    if device.type == "cuda":
+    if device.type == "cuda" and _clock_override is None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
