@@ -119,5 +119,5 @@ def cycle_stats(decoder, prompts: list[list[int]], new_tokens: int, repeats: int
         return 1e3 * sum(getattr(r, attr) for r in timed) / n
 
     return CycleStats(tok_s, [p[0] for p in passes], 1e3 * secs / cycles,
-                      accept_length(sum(r.decode_tokens for r in runs), cycles), per_cycle("draft_s"), per_cycle("verify_s"),
-                      per_cycle("other_s"), [r.token_ids for r in runs])
+                      accept_length(sum(r.decode_tokens for r in runs), cycles), per_cycle("draft_s"),
+                      per_cycle("verify_s"), per_cycle("other_s"), [r.token_ids for r in runs])
