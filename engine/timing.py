@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from engine.metrics import accept_length
 from engine.sampling import SamplingParams
 
 
@@ -24,18 +26,36 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+_clock_override: Callable[[], float] | None = None
+
+
 def clock(device: torch.device) -> Callable[[], float]:
-    """Seconds, for differences only: wall time on CUDA, this process's CPU time elsewhere (see the module doc)."""
+    """Seconds, for differences only: wall time on CUDA, this process's CPU time elsewhere (see the module doc);
+    inside `use_clock`, the clock given there."""
+    if _clock_override is not None:
+        return _clock_override
     return time.perf_counter if device.type == "cuda" else time.process_time
+
+
+@contextmanager
+def use_clock(now: Callable[[], float]) -> Iterator[None]:
+    """Every measurement inside the block reads `now` (seconds) instead of the device's clock, CUDA events
+    included: a test scripts the time each piece of work takes and checks the numbers derived from it."""
+    global _clock_override
+    before, _clock_override = _clock_override, now
+    try:
+        yield
+    finally:
+        _clock_override = before
 
 
 def time_fn(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 2) -> float:
     """Seconds per call of fn after warm-up: on CUDA the mean of `iters` back-to-back calls between two events; on
-    CPU the median CPU time of `iters` timed calls."""
+    CPU (or inside `use_clock`) the median of `iters` timed calls."""
     for _ in range(warmup):
         fn()
     sync(device)
-    if device.type == "cuda":
+    if device.type == "cuda" and _clock_override is None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(iters):
@@ -75,7 +95,7 @@ class CycleStats:
     tok_s: float
     samples: list[float]  # tok/s of each pass
     ms_per_cycle: float  # target forwards after the prefill: decode steps for the baseline, verify cycles here
-    accept_length: float
+    accept_length: float  # engine.metrics.accept_length over the median pass's prompts (token-weighted)
     draft_ms: float
     verify_ms: float
     other_ms: float
@@ -99,5 +119,5 @@ def cycle_stats(decoder, prompts: list[list[int]], new_tokens: int, repeats: int
         return 1e3 * sum(getattr(r, attr) for r in timed) / n
 
     return CycleStats(tok_s, [p[0] for p in passes], 1e3 * secs / cycles,
-                      sum(r.decode_tokens for r in runs) / cycles, per_cycle("draft_s"), per_cycle("verify_s"),
-                      per_cycle("other_s"), [r.token_ids for r in runs])
+                      accept_length(sum(r.decode_tokens for r in runs), cycles), per_cycle("draft_s"),
+                      per_cycle("verify_s"), per_cycle("other_s"), [r.token_ids for r in runs])

@@ -69,9 +69,11 @@ import torch
 from engine.drafter import load_drafter, new_drafter
 from engine.generate import Generator
 from engine.loading import load_model, random_model, resolve_device, resolve_dtype
+from engine.metrics import breakeven, exact_match, projected_speedup, projected_tok_s
 from engine.speculate import SpecDecoder
 from engine.timing import cycle_stats
 from engine.train.drafter import prompt_ids
+from engine.train.layout import DrafterOutputs, TargetOutputs
 from engine.train.tokenizer import load_tokenizer
 from specbook import record
 
@@ -81,8 +83,8 @@ if dev.type == "cpu" and cpu_threads:
 graphs = dev.type == "cuda"
 if not (target or "train-target" in upstream) or not (drafter or "train-drafter" in upstream):
     raise ValueError("give -p target=DIR -p drafter=DIR, or run through `runbook run` so the upstream models arrive")
-target_dir = Path(target or Path(upstream["train-target"]) / "target-a")
-drafter_dir = Path(drafter or Path(upstream["train-drafter"]) / "drafter-a")
+target_dir = Path(target or TargetOutputs(upstream["train-target"]).target_a)
+drafter_dir = Path(drafter or DrafterOutputs(upstream["train-drafter"]).drafter_a)
 tgt = load_model(target_dir, dev, dt)
 dft = load_drafter(drafter_dir, tgt, dev, dt)
 prompts = [p[:prompt_len] for p in prompt_ids(load_tokenizer(target_dir), n_prompts, 8 * prompt_len, "A")]
@@ -124,8 +126,7 @@ stats = measure(tgt, dft, prompts, n_draft)
 
 def same_text(names) -> float:
     """Share of prompts on which the named decoders all give the same greedy tokens."""
-    outs = zip(*(stats[n].token_ids for n in names))
-    return sum(len({tuple(t) for t in per_prompt}) == 1 for per_prompt in outs) / len(prompts)
+    return exact_match(*(stats[n].token_ids for n in names))
 
 
 exact = same_text(stats)
@@ -231,22 +232,25 @@ if cycle_shape:
         """Cycle against decode step, like against like: both plain CUDA graphs, or both compiled inside them."""
         base, spec = big_stats[f"{prefix}baseline"], big_stats[f"{prefix}eagle3"]
         step, cyc = base.ms_per_cycle, spec.ms_per_cycle
-        print(f"{cycle_shape} {how}: {cyc:.2f} ms per cycle against a {step:.2f} ms decode step ({cyc / step:.2f}x); "
+        print(f"{cycle_shape} {how}: {cyc:.2f} ms per cycle against a {step:.2f} ms decode step "
+              f"({breakeven(cyc, step):.2f}x); "
               f"draft {spec.draft_ms:.2f}, verify {spec.verify_ms:.2f}, other {spec.other_ms:.2f} ms")
         record(f"{prefix}decode_step_ms{sfx}", step, unit="ms", direction="lower", rel_tol=rel_tol,
                description=f"{cycle_shape}: one baseline decode step ({how})")
         record(f"{prefix}cycle_ms{sfx}", cyc, unit="ms", direction="lower", rel_tol=rel_tol,
                description=f"{cycle_shape}: one chain cycle, {steps} draft steps + verify of {steps + 1} + "
                            f"bookkeeping ({how})")
-        record(f"{prefix}cycle_over_step{sfx}", cyc / step, unit="x", direction="lower", rel_tol=rel_tol,
+        record(f"{prefix}cycle_over_step{sfx}", breakeven(cyc, step), unit="x", direction="lower", rel_tol=rel_tol,
                description=f"{cycle_shape}: chain cycle over decode step, {how} (issue 4 asks <= 1.5; SGLang on "
                            f"an H200 ~1.6)")
         for part in ("draft_ms", "verify_ms", "other_ms"):
             record(f"{prefix}cycle_{part}{sfx}", getattr(spec, part), unit="ms", direction="lower", rel_tol=rel_tol,
                    description=f"{cycle_shape}: {part.removesuffix('_ms')} phase of a chain cycle ({how})")
-        record(f"{prefix}projected_tok_s{sfx}", cycle_accept_length / (cyc / 1e3), unit="tok/s", rel_tol=rel_tol,
+        record(f"{prefix}projected_tok_s{sfx}", projected_tok_s(cycle_accept_length, cyc), unit="tok/s",
+               rel_tol=rel_tol,
                description=f"{cycle_shape}: {cycle_accept_length} tokens per cycle at the measured cycle time ({how})")
-        record(f"{prefix}projected_speedup{sfx}", cycle_accept_length * step / cyc, unit="x", rel_tol=rel_tol,
+        record(f"{prefix}projected_speedup{sfx}", projected_speedup(cycle_accept_length, cyc, step), unit="x",
+               rel_tol=rel_tol,
                description=f"{cycle_shape}: projected tok/s over the engine's own baseline, {how} (issue 4 asks "
                            f">= 2.6)")
 

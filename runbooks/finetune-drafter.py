@@ -85,8 +85,7 @@ if at_scale:
     import sys
     from pathlib import Path
 
-    from engine.backends import LaunchConfig, SpecSettings
-    from engine.backends.accept import accept_by_prompt_set, mean_accept
+    from engine.backends.accept import chain_accept_by_prompt_set, mean_accept
     from engine.backends.specforge import CaptureRun, TrainRun, run_logged, save_vocab_mapping, train_and_export
     from engine.backends.specforge import vocab_mapping
     from specbook import record
@@ -103,11 +102,12 @@ if at_scale:
         print(" ".join(cap.command()))
         run_logged(cap.command(), work / "capture.log", env)
 
+    server = dict(tp=tp, trust_remote_code=True, env=env, extra_args=tuple(extra_server_args), python=py,
+                  startup_timeout_s=3600.0)
+
     def served_accept(draft: str, label: str) -> float:
-        cfg = LaunchConfig(model=target, drafter=draft, tp=tp, trust_remote_code=True, env=env,
-                           spec=SpecSettings(steps=chain_steps, topk=1, draft_tokens=chain_steps + 1),
-                           extra_args=tuple(extra_server_args), python=py, startup_timeout_s=3600.0)
-        per_set = accept_by_prompt_set("sglang", cfg, prompt_sets, requests=requests, max_tokens=max_tokens)
+        per_set = chain_accept_by_prompt_set("sglang", target, draft, chain_steps, prompt_sets, requests=requests,
+                                             max_tokens=max_tokens, launch=server)
         for name, s in per_set.items():
             print(f"{label}, prompt set {name}: accept length {s.accept_length:.3f}")
             record(f"accept_{label}.{name}", s.accept_length, unit="tokens/cycle", kind=kind, direction="higher",
@@ -141,6 +141,7 @@ if not at_scale:  # the miniature pair, in this process
     from engine.drafter import load_drafter
     from engine.loading import load_model
     from engine.train.drafter import accept_length, check_pair, prompt_ids, train_drafter
+    from engine.train.layout import DrafterOutputs, TargetOutputs
     from engine.train.presets import get_preset, with_overrides
     from engine.train.tokenizer import load_tokenizer
     from specbook import record
@@ -151,8 +152,8 @@ if not at_scale:  # the miniature pair, in this process
     p = get_preset(preset)
     run = with_overrides(p.finetune, steps=steps, samples=samples)
     every = eval_every or max(run.steps // 4, 1)
-    dir_b = Path(target or Path(upstream["train-target"]) / "target-b")
-    dir_d = Path(drafter or Path(upstream["train-drafter"]) / "drafter-a")
+    dir_b = Path(target or TargetOutputs(upstream["train-target"]).target_b)
+    dir_d = Path(drafter or DrafterOutputs(upstream["train-drafter"]).drafter_a)
     check_pair(dir_b, dir_d)
     prompts = prompt_ids(load_tokenizer(dir_b), eval_prompts or p.eval_prompts, p.prompt_chars, "B")
     new_tokens = max_new_tokens or p.max_new_tokens

@@ -81,8 +81,7 @@ if at_scale:
     import sys
     from pathlib import Path
 
-    from engine.backends import LaunchConfig, SpecSettings
-    from engine.backends.accept import accept_by_prompt_set, mean_accept
+    from engine.backends.accept import chain_accept_by_prompt_set, mean_accept
     from engine.backends.features import similarity
     from engine.backends.specforge import CaptureRun, run_logged
     from specbook import record
@@ -101,12 +100,12 @@ if at_scale:
     sim = similarity(work / "features-a", work / "features-b")
     print(f"cosine A vs B over {sim.tokens} tokens: feature layers {[round(c, 4) for c in sim.aux]}, "
           f"last layer {sim.last:.4f}")
+    server = dict(tp=tp, trust_remote_code=True, env=env, extra_args=tuple(extra_server_args), python=py,
+                  startup_timeout_s=3600.0)
     tau = {}
     for name, model in models.items():
-        cfg = LaunchConfig(model=model, drafter=drafter, tp=tp, trust_remote_code=True, env=env,
-                           spec=SpecSettings(steps=chain_steps, topk=1, draft_tokens=chain_steps + 1),
-                           extra_args=tuple(extra_server_args), python=py, startup_timeout_s=3600.0)
-        per_set = accept_by_prompt_set("sglang", cfg, prompt_sets, requests=requests, max_tokens=max_tokens)
+        per_set = chain_accept_by_prompt_set("sglang", model, drafter, chain_steps, prompt_sets, requests=requests,
+                                             max_tokens=max_tokens, launch=server)
         for set_name, s in per_set.items():
             print(f"drafter A on target {name.upper()}, prompt set {set_name}: accept length {s.accept_length:.3f}")
             record(f"accept_on_{name}.{set_name}", s.accept_length, unit="tokens/cycle", kind=kind, direction="higher",
@@ -134,6 +133,7 @@ if not at_scale:  # the miniature pair, in this process
     from engine.drafter import load_drafter
     from engine.loading import load_model
     from engine.train.drafter import accept_length, check_pair, prompt_ids
+    from engine.train.layout import DrafterOutputs, TargetOutputs
     from engine.train.presets import get_preset
     from engine.train.tokenizer import load_tokenizer
     from specbook import record
@@ -141,9 +141,9 @@ if not at_scale:  # the miniature pair, in this process
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     p = get_preset(preset)
-    dir_a = Path(target or Path(upstream["train-target"]) / "target-a")
-    dir_b = Path(target_b or Path(upstream["train-target"]) / "target-b")
-    dir_d = Path(drafter or Path(upstream["train-drafter"]) / "drafter-a")
+    dir_a = Path(target or TargetOutputs(upstream["train-target"]).target_a)
+    dir_b = Path(target_b or TargetOutputs(upstream["train-target"]).target_b)
+    dir_d = Path(drafter or DrafterOutputs(upstream["train-drafter"]).drafter_a)
     for d in (dir_a, dir_b):
         check_pair(d, dir_d)
     model_a = load_model(dir_a, device=device, dtype=p.dtype)

@@ -87,8 +87,8 @@ if at_scale:
     import sys
     from pathlib import Path
 
-    from engine.backends import LaunchConfig, SpecSettings, serving
-    from engine.backends.accept import accept_by_prompt_set, mean_accept
+    from engine.backends import LaunchConfig, serving
+    from engine.backends.accept import chain_accept_by_prompt_set, mean_accept
     from engine.backends.features import subset
     from engine.backends.regenerate import regenerate
     from engine.backends.specforge import CaptureRun, TrainRun, run_logged, train_and_export
@@ -116,9 +116,8 @@ if at_scale:
     run_logged(cap.command(), work / "capture.log", env)
 
     def served_accept(draft: str, label: str) -> float:
-        cfg = LaunchConfig(model=target, drafter=draft, spec=SpecSettings(steps=chain_steps, topk=1,
-                                                                          draft_tokens=chain_steps + 1), **server)
-        per_set = accept_by_prompt_set("sglang", cfg, prompt_sets, requests=requests, max_tokens=max_tokens)
+        per_set = chain_accept_by_prompt_set("sglang", target, draft, chain_steps, prompt_sets, requests=requests,
+                                             max_tokens=max_tokens, launch=server)
         for name, s in per_set.items():
             print(f"{label}, prompt set {name}: accept length {s.accept_length:.3f}")
             record(f"accept_{label}.{name}", s.accept_length, unit="tokens/cycle", kind=kind, direction="higher",
@@ -155,6 +154,7 @@ if not at_scale:  # the miniature pair, in this process
     from engine.drafter import load_drafter
     from engine.loading import load_model
     from engine.train.drafter import accept_length, check_pair, prompt_ids, train_drafter
+    from engine.train.layout import TargetOutputs
     from engine.train.presets import get_preset, with_overrides
     from engine.train.tokenizer import load_tokenizer
     from specbook import record
@@ -164,7 +164,7 @@ if not at_scale:  # the miniature pair, in this process
     out = Path(outputs_dir or tempfile.mkdtemp(prefix="scale-data-"))
     p = get_preset(preset)
     run = with_overrides(p.drafter, steps=steps, mix="B")
-    dir_b = Path(target or Path(upstream["train-target"]) / "target-b")
+    dir_b = Path(target or TargetOutputs(upstream["train-target"]).target_b)
     prompts = prompt_ids(load_tokenizer(dir_b), eval_prompts or p.eval_prompts, p.prompt_chars, "B")
     model_b = load_model(dir_b, device=device, dtype=p.dtype)
 

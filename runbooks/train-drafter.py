@@ -51,6 +51,7 @@ import torch
 from engine.drafter import load_drafter
 from engine.loading import load_model
 from engine.train.drafter import accept_length, check_pair, prompt_ids, train_drafter
+from engine.train.layout import DrafterOutputs, TargetOutputs
 from engine.train.presets import get_preset, with_overrides
 from engine.train.tokenizer import load_tokenizer
 from specbook import record
@@ -60,14 +61,14 @@ torch.manual_seed(0)
 out = Path(outputs_dir or tempfile.mkdtemp(prefix="train-drafter-"))
 p = get_preset(preset)
 run = with_overrides(p.drafter, steps=steps)
-target_dir = Path(target or Path(upstream["train-target"]) / "target-a")
+target_dir = Path(target or TargetOutputs(upstream["train-target"]).target_a)
 
 # %% [markdown]
 # ## Training
 
 # %%
 if drafter is None:
-    res = train_drafter(out / "drafter-a", run, target_dir, device=device, save_dtype=p.dtype)
+    res = train_drafter(DrafterOutputs(out).drafter_a, run, target_dir, device=device, save_dtype=p.dtype)
     drafter_dir = res.path
 else:
     res, drafter_dir = None, Path(drafter)

@@ -47,6 +47,7 @@ import torch
 from engine.drafter import new_drafter
 from engine.generate import Generator
 from engine.loading import random_model, resolve_device, resolve_dtype
+from engine.metrics import breakeven, in_decode_steps
 from engine.speculate import SpecDecoder
 from engine.timing import cycle_stats
 from specbook import record
@@ -77,7 +78,7 @@ for name, k, K, n in configs:
 print(f"{'':16}{'mode':>6}{'cycle':>8}{'draft':>8}{'verify':>8}{'other':>8}{'break-even':>12}")
 for (name, mode), st in rows.items():
     print(f"{name:16}{mode:>6}{st.ms_per_cycle:8.2f}{st.draft_ms:8.2f}{st.verify_ms:8.2f}{st.other_ms:8.2f}"
-          f"{st.ms_per_cycle / step_ms:12.2f}")
+          f"{breakeven(st.ms_per_cycle, step_ms):12.2f}")
 
 # %%
 import matplotlib.pyplot as plt
@@ -85,9 +86,10 @@ import matplotlib.pyplot as plt
 ks = list(range(1, max_steps + 1))
 fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
 for mode, style in (("graph", "-o"), ("eager", "--s")):
-    a1.plot(ks, [rows[f"k{k}", mode].ms_per_cycle / step_ms for k in ks], style, label=f"chain, {mode} verify")
+    a1.plot(ks, [breakeven(rows[f"k{k}", mode].ms_per_cycle, step_ms) for k in ks], style,
+            label=f"chain, {mode} verify")
     for name, k, K, n in configs[max_steps:]:
-        a1.plot([k], [rows[name, mode].ms_per_cycle / step_ms], "^" if mode == "graph" else "v",
+        a1.plot([k], [breakeven(rows[name, mode].ms_per_cycle, step_ms)], "^" if mode == "graph" else "v",
                 label=f"tree topk {K}, {n} tokens, {mode}")
 a1.plot(ks, [k + 1 for k in ks], ":", color="grey", label="most a chain can emit (k + 1)")
 a1.axhline(3.86, color="tab:green", lw=0.8, label="SGLang H200 MT-bench accept length 3.86")
@@ -95,9 +97,10 @@ a1.set_xlabel("draft steps k")
 a1.set_ylabel("break-even accept length (cycle / decode step)")
 a1.legend(fontsize=7)
 for part, color in (("draft_ms", "tab:blue"), ("verify_ms", "tab:orange"), ("other_ms", "tab:grey")):
-    a2.plot(ks, [getattr(rows[f"k{k}", "graph"], part) / step_ms for k in ks], "-o", color=color,
+    a2.plot(ks, [in_decode_steps(getattr(rows[f"k{k}", "graph"], part), step_ms) for k in ks], "-o", color=color,
             label=f"{part.removesuffix('_ms')} (graph verify)")
-a2.plot(ks, [rows[f"k{k}", "eager"].verify_ms / step_ms for k in ks], "--s", color="tab:red", label="verify (eager)")
+a2.plot(ks, [in_decode_steps(rows[f"k{k}", "eager"].verify_ms, step_ms) for k in ks], "--s", color="tab:red",
+        label="verify (eager)")
 a2.set_xlabel("draft steps k")
 a2.set_ylabel("ms per cycle / ms per decode step")
 a2.legend(fontsize=7)
@@ -118,9 +121,9 @@ for name, k, K, n in configs:
     what = f"{shape}: {k} draft steps, topk {K}, {n} tokens verified"
     record(f"cycle_ms.{name}", gr.ms_per_cycle, unit="ms", direction="lower", rel_tol=rel_tol,
            description=f"{what}, graph verify")
-    record(f"breakeven.{name}", gr.ms_per_cycle / step_ms, unit="tokens/cycle", direction="lower",
+    record(f"breakeven.{name}", breakeven(gr.ms_per_cycle, step_ms), unit="tokens/cycle", direction="lower",
            rel_tol=rel_tol, description=f"{what}: break-even accept length, graph verify")
-    record(f"eager_breakeven.{name}", ea.ms_per_cycle / step_ms, unit="tokens/cycle", direction="lower",
+    record(f"eager_breakeven.{name}", breakeven(ea.ms_per_cycle, step_ms), unit="tokens/cycle", direction="lower",
            rel_tol=rel_tol, description=f"{what}: break-even accept length, eager verify")
-    record(f"verify_over_step.{name}", gr.verify_ms / step_ms, unit="x", direction="lower", rel_tol=rel_tol,
-           description=f"{what}: verify forward over a decode step (phases synchronised)")
+    record(f"verify_over_step.{name}", in_decode_steps(gr.verify_ms, step_ms), unit="x", direction="lower",
+           rel_tol=rel_tol, description=f"{what}: verify forward over a decode step (phases synchronised)")

@@ -18,7 +18,8 @@ import torch
 
 from engine.backends import LaunchConfig, SpecSettings, features, serving
 from engine.backends import specforge as sf
-from engine.backends.accept import accept_by_prompt_set, mean_accept
+from engine.backends import accept
+from engine.backends.accept import accept_by_prompt_set, chain_accept_by_prompt_set, mean_accept
 from engine.backends.regenerate import read_conversations, regenerate
 from engine.errors import EngineError
 from specbook.execute import target
@@ -309,6 +310,23 @@ def test_accept_length_per_prompt_set(pair, tmp_path):
     assert mean_accept(got) == pytest.approx((got["code"].accept_length + got["chat"].accept_length) / 2)
     with pytest.raises(EngineError, match="cannot read prompts"):  # before any server starts
         accept_by_prompt_set("sglang", cfg, {"x": str(tmp_path / "missing.txt")}, requests=1, max_tokens=1)
+
+
+def test_chain_accept_serves_the_drafter_as_a_chain(pair, tmp_path, monkeypatch):
+    """The approach runbooks' one way to measure a drafter under a server: a greedy chain of k steps verifies
+    k + 1 tokens, so its accept length lies in [1, k + 1]."""
+    tgt, drafter = pair
+    (tmp_path / "code.txt").write_text("def f(x):\nclass A:\n")
+    seen = []
+    real = accept.accept_by_prompt_set
+    monkeypatch.setattr(accept, "accept_by_prompt_set", lambda backend, cfg, *a, **kw: (
+        seen.append(cfg), real(backend, cfg, *a, **kw))[1])
+    got = chain_accept_by_prompt_set("bundled", str(tgt), str(drafter), 2, {"code": str(tmp_path / "code.txt")},
+                                     requests=2, max_tokens=8, launch={"cuda_graphs": False, "tp": 1},
+                                     device="cpu", dtype="float32", max_seq_len=128)
+    (cfg,) = seen
+    assert (cfg.model, cfg.drafter, cfg.spec, cfg.cuda_graphs) == (str(tgt), str(drafter), SpecSettings(2, 1, 3), False)
+    assert list(got) == ["code"] and got["code"].ok == 2 and 1.0 <= got["code"].accept_length <= 3.0
 
 
 CONVERSATIONS = [

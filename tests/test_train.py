@@ -26,7 +26,8 @@ from engine.loading import load_model, random_model
 from engine.train import corpus, loop
 from engine.train import drafter as D
 from engine.train.presets import CPU, DrafterRun, TargetRun, target_config, with_overrides
-from engine.train.target import train_target
+from engine.train.layout import DrafterOutputs, TargetOutputs
+from engine.train.target import train_target, train_targets
 from engine.train.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
 from corpus_testing import make_archives
@@ -88,6 +89,22 @@ def test_target_training_lowers_loss_and_saves_an_engine_and_hf_checkpoint(world
     x = torch.tensor([world["tok"].encode("def alpha_beta_0(alpha):\n").ids])
     ours, _ = model(x, torch.arange(x.shape[1]))
     torch.testing.assert_close(ours, hf(x).logits.float(), atol=1e-4, rtol=1e-4)
+
+
+def test_train_targets_writes_the_layout_that_downstream_runbooks_read(world, tmp_path):
+    """The runbooks after train-target find its models through TargetOutputs only."""
+    preset = dataclasses.replace(CPU, vocab_size=300, tokenizer_bytes=10**6, model=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, rope_theta=10000.0))
+    run = TargetRun(mix="A", steps=2, lr=1e-2, warmup=1, batch_size=2, seq_len=16, data_bytes=10**9)
+    a, b = train_targets(str(tmp_path), preset, a=run, b=dataclasses.replace(run, mix="B"))
+    out = TargetOutputs(str(tmp_path))  # `upstream` hands runbooks a str
+    assert (a.path, b.path) == (out.target_a, out.target_b) == (tmp_path / "target-a", tmp_path / "target-b")
+    assert out.tokenizer == tmp_path / "tokenizer"
+    vocab = load_tokenizer(out.tokenizer).get_vocab()
+    assert load_tokenizer(out.target_a).get_vocab() == load_tokenizer(out.target_b).get_vocab() == vocab
+    assert load_model(out.target_b).cfg.vocab_size == len(vocab)
+    assert DrafterOutputs(str(tmp_path)).drafter_a == tmp_path / "drafter-a"
 
 
 def test_finished_run_is_reused_and_other_parameters_refused(world):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.backends import serving
-from engine.backends.base import LaunchConfig
+from engine.backends.base import LaunchConfig, SpecSettings
 from engine.backends.client import BenchSummary, benchmark, load_prompts
 from engine.errors import EngineError
 
@@ -34,6 +34,19 @@ def accept_by_prompt_set(backend: str, cfg: LaunchConfig, prompt_sets: dict[str,
                 raise EngineError(f"prompt set {name}: the {backend} server reported no speculative statistics")
             out[name] = s
     return out
+
+
+def chain_accept_by_prompt_set(backend: str, target: str, drafter: str, chain_steps: int,
+                               prompt_sets: dict[str, str | None], *, requests: int, max_tokens: int,
+                               launch: dict[str, Any] | None = None, url: str | None = None,
+                               **engine_kw: Any) -> dict[str, BenchSummary]:
+    """accept_by_prompt_set for `drafter` on `target` as a greedy chain of `chain_steps` draft steps (a verify of
+    chain_steps + 1 tokens): how the approach runbooks measure a drafter under a server. `launch`: the other
+    LaunchConfig fields (tp, env, extra_args, python, ...)."""
+    cfg = LaunchConfig(model=target, drafter=drafter, **(launch or {}),
+                       spec=SpecSettings(steps=chain_steps, topk=1, draft_tokens=chain_steps + 1))
+    return accept_by_prompt_set(backend, cfg, prompt_sets, requests=requests, max_tokens=max_tokens, url=url,
+                                **engine_kw)
 
 
 def mean_accept(summaries: dict[str, BenchSummary]) -> float:

@@ -5,6 +5,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from engine.backends.base import ServerProcess
+from engine.metrics import accept_length as tokens_per_cycle
 
 
 class SGLangServer(ServerProcess):
@@ -35,12 +36,13 @@ def meta_accept_counts(meta: dict[str, Any] | None) -> tuple[int, int] | None:
 
 
 def accept_length(metas: Iterable[dict[str, Any] | None]) -> float | None:
-    """Token-weighted accept length over requests: tokens per verify cycle, bonus included.
+    """Token-weighted engine.metrics.accept_length over requests, None without speculation stats.
 
     The first token of an answer comes from the prefill, not from a verify cycle, so it is left out:
-    sum(completion_tokens - 1) / sum(spec_verify_ct), as engine.generate counts. SGLang's own log divides
-    completion_tokens by spec_verify_ct and reads slightly higher on short answers.
+    sum(completion_tokens - 1) / sum(spec_verify_ct), the number SGLang's scheduler reports as
+    avg_spec_accept_length. SGLang's per-request meta_info spec_accept_length divides completion_tokens by
+    spec_verify_ct and reads slightly higher on short answers.
     """
     counts = [c for c in map(meta_accept_counts, metas) if c is not None]
     verifies = sum(v for _, v in counts)
-    return sum(t - 1 for t, _ in counts) / verifies if verifies else None
+    return tokens_per_cycle(sum(t - 1 for t, _ in counts), verifies) if verifies else None

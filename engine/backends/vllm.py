@@ -8,6 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.backends.base import ServerProcess
 from engine.errors import EngineError
+from engine.metrics import accept_length as tokens_per_cycle
 
 
 class VLLMServer(ServerProcess):
@@ -45,8 +46,9 @@ class SpecCounters:
 
     @property
     def accept_length(self) -> float | None:
-        """Tokens per verify cycle, bonus included: 1 + accepted / drafts."""
-        return 1.0 + self.accepted / self.drafts if self.drafts else None
+        """engine.metrics.accept_length: each draft (a verify cycle) emits its accepted tokens plus the bonus, so
+        (accepted + drafts) / drafts = 1 + accepted / drafts, vLLM's mean acceptance length."""
+        return tokens_per_cycle(self.accepted + self.drafts, self.drafts) if self.drafts else None
 
     @property
     def acceptance_rate(self) -> float | None:

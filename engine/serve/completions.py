@@ -20,6 +20,7 @@ from fastapi import HTTPException, Request
 from fastapi.responses import StreamingResponse
 
 from engine.errors import EngineError
+from engine.metrics import accept_length as tokens_per_cycle
 from engine.serve.config import ServeConfig
 from engine.serve.detok import Detokenizer
 from engine.serve.errors import stream_error
@@ -55,11 +56,16 @@ class Generation:
         return "" if self.hit_stop else self.detok.flush()
 
     def meta_info(self) -> dict[str, Any]:
-        # The first token comes from the prefill, not from a verify cycle (see backends.sglang.accept_length).
-        tau = (self.tokens - 1) / self.verify_cycles if self.verify_cycles else None
+        # The first token comes from the prefill, not from a verify cycle: engine.metrics.accept_length, which
+        # reads 1 / spec_verify_ct lower than SGLang's own spec_accept_length (completion_tokens / spec_verify_ct).
+        tau = self.accept_length()
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
                 "spec_verify_ct": self.verify_cycles, "spec_accept_token_num": self.accepted_tokens,
                 "spec_accept_length": tau, "e2e_latency": time.perf_counter() - self.t0}
+
+    def accept_length(self) -> float | None:
+        """engine.metrics.accept_length of this request, None without a verify cycle."""
+        return tokens_per_cycle(self.tokens - 1, self.verify_cycles) if self.verify_cycles else None
 
     def usage(self) -> dict[str, int]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
@@ -180,4 +186,4 @@ class OpenAIServing:
         m.verify_cycles.inc(gen.verify_cycles)
         m.accepted_tokens.inc(gen.accepted_tokens)
         if gen.verify_cycles:
-            m.accept_length.observe((gen.tokens - 1) / gen.verify_cycles)
+            m.accept_length.observe(gen.accept_length())

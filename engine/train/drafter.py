@@ -34,6 +34,7 @@ from tqdm import tqdm
 from engine.drafter import Eagle3Drafter, draft_vocab, load_drafter, new_drafter, save_drafter
 from engine.errors import EngineError
 from engine.loading import load_model, read_config, resolve_dtype
+from engine.metrics import accept_length as tokens_per_cycle
 from engine.model import Transformer
 from engine.train import corpus, loop
 from engine.train.data import random_windows, step_generator, token_stream
@@ -241,7 +242,7 @@ def prompt_ids(tok, n: int, chars: int, mix: str = "A") -> list[list[int]]:
 def accept_length(target: Transformer, drafter: Eagle3Drafter, prompts: list[list[int]], steps: int = 7,
                   max_new_tokens: int = 64) -> float:
     """Greedy chain speculation (topk 1, `steps` draft steps) over the prompts with engine.speculate.SpecDecoder:
-    all decode tokens / all verify cycles, the bonus token included (SGLang's accept length)."""
+    engine.metrics.accept_length over all prompts (token-weighted), the bonus token included."""
     from engine.speculate import SpecDecoder
 
     max_len = max(len(p) for p in prompts) + max_new_tokens + steps + 2
@@ -255,7 +256,7 @@ def accept_length(target: Transformer, drafter: Eagle3Drafter, prompts: list[lis
     finally:
         target.drop_caches()
         drafter.drop_caches()
-    return tokens / max(cycles, 1)
+    return tokens_per_cycle(tokens, cycles)
 
 
 def _result(out: Path, log: loop.TrainLog) -> DrafterResult:

@@ -19,6 +19,7 @@ from engine.loading import load_model, random_model, read_config, resolve_dtype,
 from engine.model import Transformer
 from engine.train import corpus, loop
 from engine.train.data import batch_at, eval_batches, token_stream
+from engine.train.layout import TargetOutputs
 from engine.train.presets import Preset, TargetRun, target_config
 from engine.train.tokenizer import eos_id, load_tokenizer, save_tokenizer, tokenizer_hash, train_tokenizer
 
@@ -155,13 +156,14 @@ def ensure_tokenizer(out_dir: str | Path, vocab_size: int, text_bytes: int) -> P
 
 def train_targets(out_dir: str | Path, preset: Preset, family: str = "llama", device: str | None = None,
                   a: TargetRun | None = None, b: TargetRun | None = None) -> tuple[TargetResult, TargetResult]:
-    """tokenizer/, target-a/ (from scratch on mix A) and target-b/ (A trained further on mix B) under out_dir."""
-    out = Path(out_dir)
+    """The tokenizer, target A (from scratch on mix A) and target B (A trained further on mix B) under out_dir, as
+    engine.train.layout.TargetOutputs names them."""
+    out = TargetOutputs(out_dir)
     device = device or preset.device
-    tok_dir = ensure_tokenizer(out / "tokenizer", preset.vocab_size, preset.tokenizer_bytes)
+    tok_dir = ensure_tokenizer(out.tokenizer, preset.vocab_size, preset.tokenizer_bytes)
     eos = eos_id(load_tokenizer(tok_dir))
     cfg = target_config(preset, family, eos_id=eos)
-    ra = train_target(out / "target-a", a or preset.target_a, tok_dir, cfg, device=device, save_dtype=preset.dtype)
-    rb = train_target(out / "target-b", b or preset.target_b, tok_dir, init_from=ra.path, device=device,
+    ra = train_target(out.target_a, a or preset.target_a, tok_dir, cfg, device=device, save_dtype=preset.dtype)
+    rb = train_target(out.target_b, b or preset.target_b, tok_dir, init_from=ra.path, device=device,
                       save_dtype=preset.dtype)
     return ra, rb
