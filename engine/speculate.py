@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.decoding import GenerationResult, check_lengths, cut_at_stop, prompt_tensor
 from engine.drafter import Eagle3Drafter
 from engine.errors import EngineError
-from engine.generate import GenerationResult, check_lengths, cut_at_stop, prompt_tensor
 from engine.graphs import CapturedCall, GraphSet
 from engine.sampling import SamplingParams, logits_to_probs, sample_from_probs
 from engine.timing import Clock, clock, sync
@@ -117,7 +117,7 @@ class Cycle:
 
 
 class SpecDecoder:
-    """Target + EAGLE-3 drafter with `generate` / `stream` like engine.generate.Generator."""
+    """Target + EAGLE-3 drafter with `generate` / `stream` like engine.generate.TargetDecoder."""
 
     def __init__(self, target: torch.nn.Module, drafter: Eagle3Drafter, max_seq_len: int, steps: int = 7,
                  topk: int = 1, draft_tokens: int | None = None, cuda_graphs: bool = True, eager_verify: bool = False,

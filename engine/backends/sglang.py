@@ -38,7 +38,7 @@ def accept_length(metas: Iterable[dict[str, Any] | None]) -> float | None:
     """Token-weighted accept length over requests: tokens per verify cycle, bonus included.
 
     The first token of an answer comes from the prefill, not from a verify cycle, so it is left out:
-    sum(completion_tokens - 1) / sum(spec_verify_ct), as engine.generate counts. SGLang's own log divides
+    sum(completion_tokens - 1) / sum(spec_verify_ct), as engine.decoding counts. SGLang's own log divides
     completion_tokens by spec_verify_ct and reads slightly higher on short answers.
     """
     counts = [c for c in map(meta_accept_counts, metas) if c is not None]
