@@ -33,7 +33,7 @@ def test_graph_verify_equals_eager_verify(steps, topk, n, sampling):
         runs[name] = [spec.generate(p, 48, sampling, seed=i) for i, p in enumerate(prompts(4))]
     captured = SpecDecoder(t, d, 256, steps, topk, n)
     captured.generate(prompts(1)[0], 4)
-    assert all(c.captured for c in captured._verify.values())
+    assert all(c.captured for c in captured.verify.calls.values())
     for name in ("eager_verify", "eager"):
         for a, b in zip(runs["graphs"], runs[name]):
             assert a.token_ids == b.token_ids, name

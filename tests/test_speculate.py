@@ -367,9 +367,9 @@ def test_padded_extend_equals_the_exact_one(topk, count):
         spec._prepare(SamplingParams())
         cache = d.midlayer.self_attn.cache
         cache.k.zero_(), cache.v.zero_()  # the decoders share the drafter's cache: nothing carries over
-        spec.state.start.fill_(10)
-        spec._extend_fn(feats[:, :rows], tokens[:, :rows], torch.tensor([count]))
-        states.append({**{k: v.clone() for k, v in vars(spec.state).items()},
+        spec.draft.state.start.fill_(10)
+        spec.draft.extend(feats[:, :rows], tokens[:, :rows], torch.tensor([count]))
+        states.append({**{k: v.clone() for k, v in vars(spec.draft.state).items()},
                        "k": cache.k[:, :, :10 + count].clone(), "v": cache.v[:, :, :10 + count].clone()})
     exact, padded = states
     assert int(padded["start"]) == 10 + count and int(padded["root"]) == int(tokens[0, count - 1])
