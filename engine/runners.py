@@ -89,8 +89,9 @@ class ExtendInputs:
 
     @classmethod
     def empty(cls, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> "ExtendInputs":
-        return cls(torch.zeros(1, rows, width, dtype=dtype, device=device),
-                   torch.zeros(1, rows, dtype=torch.long, device=device), torch.ones(1, dtype=torch.long, device=device))
+        long = dict(dtype=torch.long, device=device)
+        return cls(torch.zeros(1, rows, width, dtype=dtype, device=device), torch.zeros(1, rows, **long),
+                   torch.ones(1, **long))
 
 
 class DraftRunner:

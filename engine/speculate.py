@@ -24,11 +24,11 @@ One cycle:
            steps + 1 rows whatever the count: rows past the count write entries at slots >= the new start, which
            every later read masks out and the next extend overwrites. One shape, so one graph and one compile.
 
-The phases run as captured CUDA graphs (eagerly on CPU), one runner each (engine.runners): the draft phase (extend, the k-1 draft
-steps and the tree build, one graph per draft-token count, and one without the extend for the first cycle, whose
-extend was the prefill's), verify (one per draft-token count and sampling setting) and, for a tree that accepted
-drafts, the compaction: two graph launches per cycle, three when a tree compacts. `eager_verify=True` runs the verify
-forward eagerly - the game plan's "extend mode without CUDA graphs" - to measure what that costs.
+The phases run as captured CUDA graphs (eagerly on CPU), one runner each (engine.runners): the draft phase (extend,
+the k-1 draft steps and the tree build; one graph per draft-token count, and one without the extend for the first
+cycle, whose extend was the prefill's), verify (one per draft-token count and sampling setting) and, for a tree that
+accepted drafts, the compaction: two graph launches per cycle, three when a tree compacts. `eager_verify=True` runs
+the verify forward eagerly - the game plan's "extend mode without CUDA graphs" - to measure what that costs.
 """
 from __future__ import annotations
 
