@@ -9,10 +9,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import deepseek
-from engine.config import ModelConfig, shape_config
+from engine.config import ModelConfig
 from engine.errors import EngineError
 from engine.loading import load_model, random_model, save_model
 from engine.model import Transformer
+from engine.shapes import shape_config
 from engine.target_decoder import TargetDecoder
 
 import transformers  # noqa: E402
