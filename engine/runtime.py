@@ -15,6 +15,7 @@ from engine.errors import EngineError
 from engine.loading import check_cache_fits, check_seed, load_model, random_model, read_chat_template, \
     resolve_device, resolve_dtype
 from engine.sampling import SamplingParams
+from engine.spec_settings import DEFAULT_STEPS, DEFAULT_TOPK
 from engine.target_decoder import TargetDecoder
 
 
@@ -57,8 +58,8 @@ class Engine:
     @classmethod
     def load(cls, target: str | None = None, shape: str | None = None, drafter: str | None = None,
              device: str = "cpu", dtype: str = "float32", max_seq_len: int = 2048, cuda_graphs: bool = True,
-             steps: int = 7, topk: int = 1, draft_tokens: int | None = None, eager_verify: bool = False,
-             seed: int = 0, compile: bool = False, prefill_chunk: int = 512) -> "Engine":
+             steps: int = DEFAULT_STEPS, topk: int = DEFAULT_TOPK, draft_tokens: int | None = None,
+             eager_verify: bool = False, seed: int = 0, compile: bool = False, prefill_chunk: int = 512) -> "Engine":
         """A target directory (HF format) or a named random-weight shape; with `drafter`, EAGLE-3 speculation.
         `compile`: torch.compile inside the CUDA graphs (the decode step, or the draft steps and verify)."""
         if (target is None) == (shape is None):

@@ -43,6 +43,7 @@ from engine.errors import EngineError
 from engine.graphs import HostCopy
 from engine.runners import CompactRunner, DraftRunner, VerifyRunner
 from engine.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from engine.spec_settings import DEFAULT_STEPS, DEFAULT_TOPK
 from engine.timing import Clock, clock, sync
 from engine.tree import TreeShape
 
@@ -58,9 +59,10 @@ class Cycle:
 class SpecDecoder:
     """Target + EAGLE-3 drafter with `generate` / `stream` like engine.target_decoder.TargetDecoder."""
 
-    def __init__(self, target: torch.nn.Module, drafter: Eagle3Drafter, max_seq_len: int, steps: int = 7,
-                 topk: int = 1, draft_tokens: int | None = None, cuda_graphs: bool = True, eager_verify: bool = False,
-                 prefill_chunk: int = 512, compile: bool = False, overlap: bool | None = None):
+    def __init__(self, target: torch.nn.Module, drafter: Eagle3Drafter, max_seq_len: int,
+                 steps: int = DEFAULT_STEPS, topk: int = DEFAULT_TOPK, draft_tokens: int | None = None,
+                 cuda_graphs: bool = True, eager_verify: bool = False, prefill_chunk: int = 512, compile: bool = False,
+                 overlap: bool | None = None):
         if max_seq_len <= 1:
             raise EngineError(f"max_seq_len must be at least 2, got {max_seq_len}")
         self.shape = TreeShape.make(steps, topk, draft_tokens)
