@@ -49,8 +49,8 @@ class TreeShape:
 
 
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x.topk(k) along the last dim; k = 1 as a max. A chain drafts with k = 1, and on CUDA topk runs a multi-block
-    radix select (four kernels, ~30 us over a 32k vocabulary on an H200) where a max is one reduction."""
+    """x.topk(k) along the last dim; k = 1 as a max. A chain drafts with k = 1, and on CUDA topk over a vocabulary
+    runs a multi-block radix select (several kernels) where a max is one reduction (docs/findings.md, section 7)."""
     return x.max(-1, keepdim=True) if k == 1 else x.topk(k)
 
 
