@@ -121,7 +121,8 @@ class DraftRunner:
         """One graph per verify size in `trees` (largest first: the smaller reuse its pool), with and without the
         extend; they never replay at once, so they share one memory pool."""
         st = self.state
-        compiled = {"extend": maybe_compile(self.extend, self.compile), "step": maybe_compile(self._step, self.compile)}
+        compiled = {"extend": maybe_compile(self.extend, self.compile),
+                    "step": maybe_compile(self._draft_step, self.compile)}
         pool = torch.cuda.graph_pool_handle() if enabled and self.device.type == "cuda" else None
         for n in sorted(trees, reverse=True):
             for extend in (True, False):
@@ -151,7 +152,7 @@ class DraftRunner:
         st.root.copy_(tokens[0].index_select(0, last))
         st.start.add_(count)
 
-    def _step_inputs(self, i: int) -> dict[str, torch.Tensor]:
+    def _draft_step_inputs(self, i: int) -> dict[str, torch.Tensor]:
         """Static inputs of draft step i (1..k-1): all that differs between steps is data, so one compiled function
         serves every step (one compile, not k-1)."""
         st, K, S = self.state, self.shape.topk, self.max_seq_len
@@ -163,7 +164,7 @@ class DraftRunner:
         return {"start": st.start, "depth": torch.full((1,), i - 1, **long), "slots": S + own_slots,
                 "itself": itself, "dst": torch.arange(off, off + K * K, **long)}
 
-    def _step(self, start: torch.Tensor, depth: torch.Tensor, slots: torch.Tensor, itself: torch.Tensor,
+    def _draft_step(self, start: torch.Tensor, depth: torch.Tensor, slots: torch.Tensor, itself: torch.Tensor,
               dst: torch.Tensor) -> None:
         """One draft step: the beams (at position root + depth) each propose K children; all K*K join the pool at
         `dst`, the best K become the next beams."""
@@ -205,7 +206,7 @@ class DraftRunner:
         """What one draft graph runs for a verify of n tokens. A verify of one token (the fallback at the cache's
         end) is rare: its build is captured, not compiled, which saves a compile."""
         n = ti.tokens.shape[1]
-        steps = [self._step_inputs(i) for i in range(1, self.shape.steps)] if n > 1 else []
+        steps = [self._draft_step_inputs(i) for i in range(1, self.shape.steps)] if n > 1 else []
         build = maybe_compile(self._build_fn(ti), self.compile and n != 1)
 
         def draft(feats: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor, start: torch.Tensor) -> None:
