@@ -165,7 +165,7 @@ class DraftRunner:
                 "itself": itself, "dst": torch.arange(off, off + K * K, **long)}
 
     def _draft_step(self, start: torch.Tensor, depth: torch.Tensor, slots: torch.Tensor, itself: torch.Tensor,
-              dst: torch.Tensor) -> None:
+                    dst: torch.Tensor) -> None:
         """One draft step: the beams (at position root + depth) each propose K children; all K*K join the pool at
         `dst`, the best K become the next beams."""
         st, K, S = self.state, self.shape.topk, self.max_seq_len
