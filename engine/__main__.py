@@ -12,6 +12,7 @@ import click
 
 from engine.cli_options import SEED, FiniteFloatRange, default_device, engine_options, int_list, load_engine
 from engine.errors import EngineError
+from engine.train import train_command
 
 EXIT_BAD_INPUT, EXIT_FAILURE = 2, 1
 
@@ -125,19 +126,17 @@ def bench(prompt_len, new_tokens, repeats, sizes, eager, peer, profile, as_json,
     click.echo(json.dumps(r.to_dict()) if as_json else format_table(r))
 
 
-# ---- commands owned by other modules: each registers itself here when its module is present ---------------
+# ---- commands owned by other modules ------------------------------------------------------------------------
+SERVE_EXTRA = ("fastapi", "uvicorn", "httpx", "prometheus_client", "jinja2")  # pyproject's serve extra
+
 try:
     from engine.serve import serve_command
-except ImportError:  # the serve extra (fastapi, uvicorn) is not installed
-    pass
+except ModuleNotFoundError as e:
+    if e.name not in SERVE_EXTRA:  # without the serve extra there is no serve command; anything else is a bug
+        raise
 else:
     cli.add_command(serve_command, "serve")
-try:
-    from engine.train import train_command
-except ImportError:
-    pass
-else:
-    cli.add_command(train_command, "train")
+cli.add_command(train_command, "train")
 
 
 if __name__ == "__main__":

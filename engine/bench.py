@@ -14,9 +14,9 @@ from typing import TypeVar
 import torch
 
 from engine.errors import EngineError
-from engine.generate import Generator
 from engine.graphs import CapturedCall, GraphSet
 from engine.loading import save_model
+from engine.target_decoder import TargetDecoder
 from engine.timing import sync, time_fn
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -175,7 +175,7 @@ KERNEL_KINDS = (("attention", re.compile(r"attention|fmha|flash|softmax|splitkv"
                 ("matrix", re.compile(r"gemm|gemv|xmma|nvjet|cublas|cutlass|splitKreduce|aten::(mm|addmm|bmm)$", re.I)))
 
 
-def profile_decode(gen: Generator, prompt: list[int], steps: int = 16,
+def profile_decode(gen: TargetDecoder, prompt: list[int], steps: int = 16,
                    rows: int = 25) -> tuple[str, dict[str, float]]:
     """Kernel-level table of `steps` decode steps of `gen` (replays of its graph on CUDA: the profiler sees the
     kernels inside), sorted by self device time, and the kernel time per step by kind (matrix, attention, other)
@@ -229,15 +229,15 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
                       weight_bytes=model.weight_bytes(), copy_gb_s=copy_bandwidth(device))
     prompt = prompt_ids(model.cfg.vocab_size, cfg.prompt_len, cfg.seed)
     stat = lambda dec: decode_stat(dec, prompt, cfg, res.weight_bytes, res.copy_gb_s)  # noqa: E731
-    fastest = Generator(model, eng.max_seq_len, cuda_graphs=True)
+    fastest = TargetDecoder(model, eng.max_seq_len, cuda_graphs=True)
     res.decode["graph"] = stat(fastest)
     if cfg.compile and (made := attempt(res, "compiled", lambda: (
-            g := Generator(model, eng.max_seq_len, cuda_graphs=True, compile=True), stat(g)))):
+            g := TargetDecoder(model, eng.max_seq_len, cuda_graphs=True, compile=True), stat(g)))):
         compiled, res.decode["compiled"] = made
         if res.decode["compiled"].tok_s > res.decode["graph"].tok_s:
             fastest = compiled
     if cfg.eager:
-        res.decode["eager"] = stat(Generator(model, eng.max_seq_len, cuda_graphs=False))
+        res.decode["eager"] = stat(TargetDecoder(model, eng.max_seq_len, cuda_graphs=False))
     res.forward_ms["graph" if graphs else "eager"] = forward_costs(model, cfg.prompt_len, cfg.sizes, graphs)
     if not model.cfg.n_routed_experts:  # MoE experts are not nn.Linear: the floor would leave them out
         res.gemv_ms = gemv_floor_ms(model)

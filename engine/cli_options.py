@@ -1,8 +1,8 @@
 """The model-loading options of `python -m engine generate | bench | serve` and the helper that turns them into an
 engine.runtime.Engine: one definition for every command that loads a model.
 
-Only click here at import time (torch and the engine load inside the helpers), so engine/__main__.py and
-engine/serve.py can both import it without importing each other.
+Only click and the torch-free engine.spec_settings here at import time (torch and the engine load inside the
+helpers), so engine/__main__.py and engine/serve can both import it without importing each other.
 """
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
+
+from engine.spec_settings import DEFAULT_STEPS, DEFAULT_TOPK
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -64,12 +66,12 @@ def engine_options(max_seq_len: int | None, max_seq_len_help: str,
                      help="Replay the decode step as a CUDA graph (no effect on cpu)."),
         click.option("--drafter", type=click.Path(), default=None,
                      help="EAGLE-3 drafter directory: speculative decoding instead of the target alone."),
-        click.option("--steps", default=7, show_default=True, type=click.IntRange(min=1),
+        click.option("--steps", default=DEFAULT_STEPS, show_default=True, type=click.IntRange(min=1),
                      help="Draft steps per cycle."),
-        click.option("--topk", default=1, show_default=True, type=click.IntRange(min=1),
+        click.option("--topk", default=DEFAULT_TOPK, show_default=True, type=click.IntRange(min=1),
                      help="Draft top-k: 1 chain, > 1 tree."),
         click.option("--draft-tokens", default=None, type=click.IntRange(min=2),
-                     help="Tree budget of draft tokens [default: steps+1]."),
+                     help="Tokens per verify, the root included [default: steps*topk+1; a chain: steps+1]."),
         click.option("--eager-verify", is_flag=True, help="Run the verify forward without CUDA graphs (the slow "
                                                           "path of the game plan, for comparison)."),
         click.option("--compile", "compile_", is_flag=True,

@@ -1,11 +1,12 @@
 """Split-KV ("flash-decoding") attention for short queries over the static cache, in Triton.
 
 A decode step's attention has few query rows (the query heads of one KV head, times T tokens) and reads the
-whole static cache. SDPA's fused kernels start one block per (KV head, row block): 8 blocks for the 8b shape on a
-132-SM GPU, 12-19 us per layer at 384 cached tokens on an H200 against ~6 us here. Here the cache is cut into splits, each block computes a partial
-softmax over its split (all query rows of one KV head at once, so every K/V tile is read once), and a second kernel
-merges the splits by their log-sum-exp. Used by `engine.model.grouped_attention` on CUDA when Triton is installed;
-everything else (CPU, long queries) takes SDPA.
+whole static cache. SDPA's fused kernels start one block per (KV head, row block): a handful of blocks on a GPU of
+over a hundred SMs, which leaves most of it idle while the cache streams. Here the cache is cut into splits, each
+block computes a partial softmax over its split (all query rows of one KV head at once, so every K/V tile is read
+once), and a second kernel merges the splits by their log-sum-exp. Used by `engine.model.grouped_attention` on CUDA
+when Triton is installed; everything else (CPU, long queries) takes SDPA. What it costs per step: baseline-decode's
+profile (docs/findings.md, section 6).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ except ImportError:  # CPU-only torch wheels come without Triton
 
 MAX_ROWS = 64  # query rows per KV head (query heads per KV head x tokens) this kernel takes
 BLOCK_N = 64  # cached positions per tile
-TARGET_BLOCKS = 264  # ~2 blocks per SM of an H100/H200
+TARGET_BLOCKS = 264  # two blocks per SM of an H100/H200 (132 SMs)
 
 
 enabled = True  # benchmarks switch it off to time SDPA on the same model

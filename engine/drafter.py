@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from engine.config import ModelConfig
 from engine.errors import EngineError
 from engine.loading import init_weights, load_state, read_config, read_safetensors, resolve_dtype, weight_files
-from engine.model import DEFAULT_ROPE_LEN, MLP, Attention, RMSNorm, RopeTables, hf_to_internal, internal_to_hf
+from engine.model import DEFAULT_ROPE_LEN, MLP, Attention, RMSNorm, StaticCacheModule, hf_to_internal, internal_to_hf
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM")
 _VLLM_RENAMES = (("layers.0.", "midlayer."), ("draft_id_to_target_id", "d2t"))
@@ -136,7 +136,7 @@ class MidLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle3Drafter(RopeTables, nn.Module):
+class Eagle3Drafter(StaticCacheModule):
     def __init__(self, cfg: Eagle3Config, aux_layers: tuple[int, ...], embedding: nn.Embedding | None = None):
         super().__init__()
         self.cfg, self.aux_layers = cfg, tuple(aux_layers)

@@ -1,8 +1,11 @@
-"""CUDA-graph capture and replay with static buffers (eager on CPU, or when disabled).
+"""CUDA-graph capture and replay with static buffers (eager on CPU, or when disabled), and the one way a result
+comes back to the host.
 
 A `CapturedCall` owns one graph and its input/output buffers; a `GraphSet` owns one `CapturedCall` per token count.
-Following SGLang, each phase - target decode, target verify, drafter step, drafter extend - owns its own set, so it
-is always clear which graph a step replays and which buffers it may overwrite.
+Following SGLang, each phase owns its graphs: the target's decode step (engine.target_decoder) and, in speculation,
+the draft phase, the verify and the tree compaction (engine.runners), so it is always clear which graph a step
+replays and which buffers it may overwrite. `HostCopy` reads a graph's result without waiting for work queued
+after it.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from typing import Any, Callable
 import torch
 
 Outputs = Any  # a tensor or a tuple of tensors (None allowed)
+
 
 class CapturedCall:
     """`fn(**inputs)` captured once over static input buffers; calling copies new inputs in and replays.
@@ -83,3 +87,25 @@ class GraphSet:
     def buffers(self, size: int) -> dict[str, torch.Tensor]:
         """Static inputs of one size: write into them directly to skip a copy."""
         return self.calls[size].inputs
+
+
+class HostCopy:
+    """A device result read by the host without waiting for work queued after it: a copy into pinned memory and
+    an event to wait on (on CPU, a plain copy)."""
+
+    def __init__(self, size: int, device: torch.device):
+        cuda = device.type == "cuda"
+        self.buf = torch.empty(size, dtype=torch.long, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+        self.n = 0
+
+    def start(self, t: torch.Tensor) -> None:
+        self.n = t.numel()
+        self.buf[:self.n].copy_(t, non_blocking=True)
+        if self.event is not None:
+            self.event.record()
+
+    def wait(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.buf[:self.n].tolist()

@@ -11,9 +11,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from engine.config import ModelConfig, check_config_mapping, shape_config
+from engine.config import ModelConfig, check_config_mapping
 from engine.errors import EngineError
 from engine.model import Transformer, hf_to_internal, internal_to_hf
+from engine.shapes import shape_config
 
 INDEX = "model.safetensors.index.json"
 SEEDS = (-2**63, 2**64 - 1)  # torch.manual_seed's range

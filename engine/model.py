@@ -122,10 +122,11 @@ def block_parts(cfg: ModelConfig, i: int) -> tuple[nn.Module, nn.Module]:
     return Attention(cfg), MLP(cfg.hidden_size, cfg.intermediate_size)
 
 
-class RopeTables:
-    """The position buffers of a module over a static KV cache (Transformer, Eagle3Drafter): float32 cos/sin tables
-    `rope_cos`, `rope_sin` and the cache's `slot_ids`, none of them saved. The module sets `rope_cfg` (the
-    ModelConfig whose rope the tables follow) and `rope_dim`."""
+class StaticCacheModule(nn.Module):
+    """A module over a static KV cache (Transformer, Eagle3Drafter): what every such module keeps besides its
+    layers - float32 cos/sin tables `rope_cos`, `rope_sin` covering the cache's positions and the cache's
+    `slot_ids`, none of them saved - and its device and dtype. The subclass sets `rope_cfg` (the ModelConfig whose
+    rope the tables follow), `rope_dim` and `max_seq_len`, and ends in a `norm`."""
 
     @property
     def device(self) -> torch.device:
@@ -147,7 +148,7 @@ class RopeTables:
         self.register_buffer("slot_ids", torch.arange(max_seq_len, device=self.device), persistent=False)
 
 
-class Transformer(RopeTables, nn.Module):
+class Transformer(StaticCacheModule):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg

@@ -1,5 +1,7 @@
-"""One facade over the engine: target (+ EAGLE-3 drafter) + tokenizer + decoder. serve.py, the CLI and runbooks
-use this and nothing below it."""
+"""One facade over the engine: target (+ EAGLE-3 drafter) + tokenizer + decoder. The server (engine/serve) and
+the CLI use only this. Runbooks use it where one loaded engine is what they measure (baseline-decode,
+deepseek-mla-moe); the others build decoders, drafters and training runs from the modules below it, or drive other
+servers through engine.backends."""
 from __future__ import annotations
 
 import math
@@ -8,11 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.decoding import GenerationResult
 from engine.errors import EngineError
-from engine.generate import GenerationResult, Generator
 from engine.loading import check_cache_fits, check_seed, load_model, random_model, read_chat_template, \
     resolve_device, resolve_dtype
 from engine.sampling import SamplingParams
+from engine.spec_settings import DEFAULT_STEPS, DEFAULT_TOPK
+from engine.target_decoder import TargetDecoder
 
 
 @dataclass
@@ -54,8 +58,8 @@ class Engine:
     @classmethod
     def load(cls, target: str | None = None, shape: str | None = None, drafter: str | None = None,
              device: str = "cpu", dtype: str = "float32", max_seq_len: int = 2048, cuda_graphs: bool = True,
-             steps: int = 7, topk: int = 1, draft_tokens: int | None = None, eager_verify: bool = False,
-             seed: int = 0, compile: bool = False, prefill_chunk: int = 512) -> "Engine":
+             steps: int = DEFAULT_STEPS, topk: int = DEFAULT_TOPK, draft_tokens: int | None = None,
+             eager_verify: bool = False, seed: int = 0, compile: bool = False, prefill_chunk: int = 512) -> "Engine":
         """A target directory (HF format) or a named random-weight shape; with `drafter`, EAGLE-3 speculation.
         `compile`: torch.compile inside the CUDA graphs (the decode step, or the draft steps and verify)."""
         if (target is None) == (shape is None):
@@ -69,8 +73,8 @@ class Engine:
             model, tokenizer, name = random_model(shape, dev, dt, seed=seed), None, shape
         check_cache_fits(model, max_seq_len)
         if drafter is None:
-            decoder = Generator(model, max_seq_len, cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk,
-                                compile=compile)
+            decoder = TargetDecoder(model, max_seq_len, cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk,
+                                    compile=compile)
         else:
             from engine.drafter import load_drafter  # speculation modules load only when asked for
             from engine.speculate import SpecDecoder
@@ -95,7 +99,7 @@ class Engine:
 
     @property
     def speculative(self) -> bool:
-        return not isinstance(self.decoder, Generator)
+        return not isinstance(self.decoder, TargetDecoder)
 
     def encode(self, text: str) -> list[int]:
         """Tokenizer ids, or UTF-8 bytes (ids 0-255) for random-weight shapes without a tokenizer."""

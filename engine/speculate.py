@@ -24,10 +24,11 @@ One cycle:
            steps + 1 rows whatever the count: rows past the count write entries at slots >= the new start, which
            every later read masks out and the next extend overwrites. One shape, so one graph and one compile.
 
-Two captured CUDA graphs per cycle, each owning its static buffers: the draft phase (extend, the k-1 draft steps and
-the tree build; one graph per draft-token count, and one without the extend for the first cycle, whose extend was the
-prefill's) and verify (one per draft-token count and sampling setting). `eager_verify=True` runs the verify forward
-eagerly - the game plan's "extend mode without CUDA graphs" - to measure what that costs.
+The phases run as captured CUDA graphs (eagerly on CPU), one runner each (engine.runners): the draft phase (extend,
+the k-1 draft steps and the tree build; one graph per draft-token count, and one without the extend for the first
+cycle, whose extend was the prefill's), verify (one per draft-token count and sampling setting) and, for a tree that
+accepted drafts, the compaction: two graph launches per cycle, three when a tree compacts. `eager_verify=True` runs
+the verify forward eagerly - the game plan's "extend mode without CUDA graphs" - to measure what that costs.
 """
 from __future__ import annotations
 
@@ -35,77 +36,16 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from engine.decoding import GenerationResult, check_lengths, cut_at_stop, prompt_tensor
 from engine.drafter import Eagle3Drafter
 from engine.errors import EngineError
-from engine.generate import GenerationResult, check_lengths, cut_at_stop, prompt_tensor
-from engine.graphs import CapturedCall, GraphSet
+from engine.graphs import HostCopy
+from engine.runners import CompactRunner, DraftRunner, VerifyRunner
 from engine.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from engine.spec_settings import DEFAULT_STEPS, DEFAULT_TOPK
 from engine.timing import Clock, clock, sync
-from engine.tree import TreeShape, accept, ancestors, build_tree, select_nodes, top_children, topk, tree_mask
-
-
-@dataclass
-class DraftState:
-    """Static buffers the drafter graphs read and advance; nothing here leaves the device during a cycle."""
-    start: torch.Tensor  # [1] position (and target slot) of the root
-    root: torch.Tensor  # [1] the root token
-    beam_scores: torch.Tensor  # [K] cumulative log-probs of the beams
-    beam_tokens: torch.Tensor  # [K] target ids
-    beam_pool: torch.Tensor  # [K] pool index of each beam
-    beam_hidden: torch.Tensor  # [1, K, H] drafter output the beams' next entries are built from
-    beam_anc: torch.Tensor  # [K, scratch] bool: scratch slots of each beam's drafted ancestors
-    pool_scores: torch.Tensor  # [P]
-    pool_tokens: torch.Tensor  # [P] target ids
-    pool_parents: torch.Tensor  # [P] pool index of the parent, -1 for depth 1
-    pool_depth: torch.Tensor  # [P] constant
-
-    @classmethod
-    def empty(cls, shape: TreeShape, hidden: int, dtype: torch.dtype, device: torch.device) -> "DraftState":
-        K, P = shape.topk, shape.pool_size
-        long = dict(dtype=torch.long, device=device)
-        parents = torch.full((P,), -1, **long)
-        return cls(torch.zeros(1, **long), torch.zeros(1, **long), torch.zeros(K, device=device),
-                   torch.zeros(K, **long), torch.zeros(K, **long), torch.zeros(1, K, hidden, dtype=dtype,
-                                                                                 device=device),
-                   torch.zeros(K, shape.scratch, dtype=torch.bool, device=device), torch.zeros(P, device=device),
-                   torch.zeros(P, **long), parents, shape.pool_depths(device))
-
-
-@dataclass
-class TreeInputs:
-    """Static inputs of one verify size N, written by the tree-build graph and read by the verify graph."""
-    tokens: torch.Tensor  # [1, N]
-    pos: torch.Tensor  # [N]
-    slots: torch.Tensor  # [N]
-    mask: torch.Tensor  # [N, S]
-    parents: torch.Tensor  # [N]
-    depth: torch.Tensor  # [N]
-    anc: torch.Tensor  # [N, N]
-    noise: torch.Tensor  # [N, V] Exp(1) draws for sampling (filled per cycle; unused when greedy)
-
-    @classmethod
-    def empty(cls, n: int, seq_len: int, vocab: int, device: torch.device) -> "TreeInputs":
-        long = dict(dtype=torch.long, device=device)
-        return cls(torch.zeros(1, n, **long), torch.zeros(n, **long), torch.arange(n, **long),
-                   torch.ones(n, seq_len, dtype=torch.bool, device=device), torch.zeros(n, **long),
-                   torch.zeros(n, **long), torch.eye(n, dtype=torch.bool, device=device),
-                   torch.ones(n, vocab, device=device))
-
-
-@dataclass
-class ExtendInputs:
-    """The accepted path as the draft-extend reads it: written by the verify graph, read by the next draft graph.
-    Padded to steps + 1 rows (the longest path), so one graph serves every accepted count."""
-    feats: torch.Tensor  # [1, E, 3 * target hidden] target features at the path's nodes
-    tokens: torch.Tensor  # [1, E] the target's tokens after them (accepted drafts + bonus)
-    count: torch.Tensor  # [1] valid rows
-
-    @classmethod
-    def empty(cls, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> "ExtendInputs":
-        return cls(torch.zeros(1, rows, width, dtype=dtype, device=device),
-                   torch.zeros(1, rows, dtype=torch.long, device=device), torch.ones(1, dtype=torch.long, device=device))
+from engine.tree import TreeShape
 
 
 @dataclass
@@ -117,11 +57,12 @@ class Cycle:
 
 
 class SpecDecoder:
-    """Target + EAGLE-3 drafter with `generate` / `stream` like engine.generate.Generator."""
+    """Target + EAGLE-3 drafter with `generate` / `stream` like engine.target_decoder.TargetDecoder."""
 
-    def __init__(self, target: torch.nn.Module, drafter: Eagle3Drafter, max_seq_len: int, steps: int = 7,
-                 topk: int = 1, draft_tokens: int | None = None, cuda_graphs: bool = True, eager_verify: bool = False,
-                 prefill_chunk: int = 512, compile: bool = False, overlap: bool | None = None):
+    def __init__(self, target: torch.nn.Module, drafter: Eagle3Drafter, max_seq_len: int,
+                 steps: int = DEFAULT_STEPS, topk: int = DEFAULT_TOPK, draft_tokens: int | None = None,
+                 cuda_graphs: bool = True, eager_verify: bool = False, prefill_chunk: int = 512, compile: bool = False,
+                 overlap: bool | None = None):
         if max_seq_len <= 1:
             raise EngineError(f"max_seq_len must be at least 2, got {max_seq_len}")
         self.shape = TreeShape.make(steps, topk, draft_tokens)
@@ -139,132 +80,16 @@ class SpecDecoder:
         # when a stop id ends the generation (tests turn it on there to check the outputs are the same).
         self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.result = HostCopy(self.shape.draft_tokens + 1, self.device)
-        self.state = DraftState.empty(self.shape, drafter.cfg.hidden_size, drafter.dtype, self.device)
-        self.inputs = {n: TreeInputs.empty(n, max_seq_len, target.cfg.vocab_size, self.device)
-                       for n in (1, self.shape.draft_tokens)}
-        self.extend = ExtendInputs.empty(self.shape.steps + 1, 3 * drafter.cfg.feature_size, drafter.dtype,
-                                         self.device)
+        self.draft = DraftRunner(target, drafter, self.shape, max_seq_len, compile)
+        self.verify = VerifyRunner(target, drafter.aux_layers, self.shape, max_seq_len, self.draft.inputs, compile,
+                                   eager_verify)
+        self.compact: CompactRunner | None = None
         self._caches = None  # the cache objects the graphs were captured over
-        self._draft: dict[tuple[int, bool], CapturedCall] = {}  # (draft-token count, with the extend)
-        self._verify: dict[tuple[int, SamplingParams], CapturedCall] = {}
-        self._compact: GraphSet | None = None
-
-    # ---- the functions the graphs capture ---------------------------------------------------------------
-    def _extend_fn(self, feats: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> None:
-        """Drafter entries for positions start .. start+T-1 from target features and the tokens after them; the
-        top-K at entry count-1 become the depth-1 candidates. Advances start by count (rows past it are padding)."""
-        st, K = self.state, self.shape.topk
-        T = tokens.shape[1]
-        pos = st.start + torch.arange(T, device=self.device)
-        logits, out = self.drafter(feats, tokens, pos)
-        last = count - 1
-        scores, ids = topk(F.log_softmax(logits[0].index_select(0, last)[0], -1), K)
-        st.pool_scores[:K] = scores
-        st.pool_tokens[:K] = self.drafter.draft_to_target(ids)
-        st.beam_scores.copy_(scores)
-        st.beam_tokens.copy_(st.pool_tokens[:K])
-        st.beam_pool.copy_(torch.arange(K, device=self.device))
-        st.beam_hidden.copy_(out.index_select(1, last).expand(1, K, -1))
-        st.beam_anc.zero_()
-        st.root.copy_(tokens[0].index_select(0, last))
-        st.start.add_(count)
-
-    def _draft_inputs(self, i: int) -> dict[str, torch.Tensor]:
-        """Static inputs of draft step i (1..k-1): all that differs between steps is data, so one compiled function
-        serves every step (one compile, not k-1)."""
-        st, K, S = self.state, self.shape.topk, self.max_seq_len
-        long = dict(dtype=torch.long, device=self.device)
-        own_slots = torch.arange((i - 1) * K, i * K, **long)  # scratch index of this step's entries
-        itself = torch.zeros_like(st.beam_anc)  # each beam sees its own new entry
-        itself[torch.arange(K, device=self.device), own_slots] = True
-        off = K + (i - 1) * K * K
-        return {"start": st.start, "depth": torch.full((1,), i - 1, **long), "slots": S + own_slots,
-                "itself": itself, "dst": torch.arange(off, off + K * K, **long)}
-
-    def _draft_step(self, start: torch.Tensor, depth: torch.Tensor, slots: torch.Tensor, itself: torch.Tensor,
-                    dst: torch.Tensor) -> None:
-        """One draft step: the beams (at position root + depth) each propose K children; all K*K join the pool at
-        `dst`, the best K become the next beams."""
-        st, K, S = self.state, self.shape.topk, self.max_seq_len
-        pos = (start + depth).expand(K)
-        own = st.beam_anc | itself
-        mask = torch.cat([(self.target.slot_ids[:S] < start)[None, :].expand(K, S), own], dim=1)
-        logits, out = self.drafter(st.beam_hidden, st.beam_tokens[None], pos, slots, mask)
-        scores, ids, rows = top_children(st.beam_scores, F.log_softmax(logits[0], -1), K)
-        tokens = self.drafter.draft_to_target(ids)
-        st.pool_scores.index_copy_(0, dst, scores)
-        st.pool_tokens.index_copy_(0, dst, tokens)
-        st.pool_parents.index_copy_(0, dst, st.beam_pool[rows])
-        keep = topk(scores, K)[1]
-        st.beam_scores.copy_(scores[keep])
-        st.beam_tokens.copy_(tokens[keep])
-        st.beam_pool.copy_(dst[keep])
-        st.beam_hidden.copy_(out[:, rows[keep]])
-        st.beam_anc.copy_(own[rows[keep]])
-
-    def _build_fn(self, n: int):
-        st, ti = self.state, self.inputs[n]
-
-        def build(start: torch.Tensor) -> None:
-            sel = select_nodes(st.pool_scores, n - 1)
-            tokens, parents, depth = build_tree(sel, st.pool_parents, st.pool_tokens, st.pool_depth, st.root)
-            anc = ancestors(parents, self.shape.steps)
-            ti.tokens.copy_(tokens[None])
-            ti.pos.copy_(start + depth)
-            ti.slots.copy_(start + torch.arange(n, device=self.device))
-            ti.mask.copy_(tree_mask(anc, start, self.max_seq_len))
-            ti.parents.copy_(parents)
-            ti.depth.copy_(depth)
-            ti.anc.copy_(anc)
-
-        return build
-
-    def _draft_fn(self, n: int, extend: bool, compiled: dict):
-        """The draft phase for a verify of n tokens: the draft-extend over the last accepted path (not in the first
-        cycle: the prefill extended), the k-1 draft steps (none when n is 1), the tree build."""
-        steps = [self._draft_inputs(i) for i in range(1, self.shape.steps)] if n > 1 else []
-        build = self._compiled(self._build_fn(n), n)
-
-        def draft(feats: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor, start: torch.Tensor) -> None:
-            if extend:
-                compiled["extend"](feats, tokens, count)
-            for inputs in steps:
-                compiled["step"](**inputs)
-            build(start)
-
-        return draft
-
-    def _verify_fn(self, n: int, sampling: SamplingParams):
-        aux_layers, max_depth, ext = self.drafter.aux_layers, self.shape.steps, self.extend
-        m = min(n, max_depth + 1)  # path rows the extend can need
-
-        def verify(tokens, pos, slots, mask, parents, depth, anc, noise):
-            logits, aux = self.target(tokens, pos, slots, mask, hidden_layers=aux_layers)
-            if sampling.greedy:
-                choice = logits[0].argmax(-1)
-            else:
-                choice = (logits_to_probs(logits[0], sampling) / noise).argmax(-1)  # exponential race
-            count, path, emitted = accept(tokens[0], choice, parents, depth, anc, max_depth)
-            ext.feats[:, :m].copy_(aux.index_select(1, path[:m]))
-            ext.tokens[0, :m].copy_(emitted[:m])
-            ext.count.copy_(count)
-            return path, torch.cat([count, emitted])  # result: what the host reads
-
-        return verify
-
-    def _compiled(self, fn, n: int | None = None):
-        """With `compile`, fn (serving verifies of n tokens; None: of every size) through torch.compile (inductor),
-        captured inside our own graph like the eager fn. A draft step is ~100 small kernels (norms, RoPE,
-        log-softmax, top-k, state updates) around ~750 MB of matrix reads at the 8b shape, and verify several hundred
-        around the target's weights: inductor fuses the small ones. One compile for the extend, one for all draft steps, one each for the tree build and verify of the
-        full tree. A verify of one token (the fallback at the cache's end) is rare: captured, not compiled, which
-        saves two compiles; the prefill stays eager."""
-        return torch.compile(fn, fullgraph=True, dynamic=False) if self.compile and n != 1 else fn
 
     # ---- setup --------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _prepare(self, sampling: SamplingParams) -> None:
-        """Caches and graphs (captured once per cache allocation; verify once per sampling setting)."""
+    def _fit_caches(self) -> None:
+        """Caches of max_seq_len tokens (the drafter's with scratch slots for the draft steps); graphs captured over
+        caches since reallocated are dropped."""
         if self.target.max_seq_len < self.max_seq_len:
             self.target.setup_caches(self.max_seq_len)
         if self.drafter.max_seq_len != self.max_seq_len + self.shape.scratch:
@@ -272,40 +97,26 @@ class SpecDecoder:
         caches = (self.target.layers[0].self_attn.cache, self.drafter.midlayer.self_attn.cache)
         if caches != self._caches:
             self._caches = caches
-            self._draft.clear(), self._verify.clear()
+            self.draft.clear(), self.verify.clear()
         if self.target.max_seq_len != self.max_seq_len:
             raise EngineError(f"the target's cache holds {self.target.max_seq_len} tokens, this decoder "
                               f"{self.max_seq_len}: use one max_seq_len for both")
-        on, st, dev = self.cuda_graphs, self.state, self.device
-        if not self._draft:
-            compiled = {"extend": self._compiled(self._extend_fn), "step": self._compiled(self._draft_step)}
-            pool = torch.cuda.graph_pool_handle() if on and dev.type == "cuda" else None  # never replayed at once
-            for n in sorted(self.inputs, reverse=True):
-                for extend in (True, False):
-                    st.start.zero_()  # warm-up runs advance start: keep their writes inside the cache
-                    self._draft[n, extend] = CapturedCall(self._draft_fn(n, extend, compiled),
-                                                          {**vars(self.extend), "start": st.start}, enabled=on,
-                                                          pool=pool)
-            st.start.zero_()  # the verify warm-ups then write slots 0..N-1
 
-            def slots(c: int) -> dict[str, torch.Tensor]:
-                return {"src_slots": torch.zeros(c, dtype=torch.long, device=dev),
-                        "dst_slots": torch.zeros(c, dtype=torch.long, device=dev)}
-
-            # one launch instead of four copies per layer; sizes 2..k+1 (an accepted root alone is in place)
-            self._compact = GraphSet(self.target.move_cache, slots, range(2, self.shape.steps + 2), enabled=on)
-        for n in self.inputs:
-            if (n, sampling) not in self._verify:
-                eager = self.eager_verify  # the game plan's slow path: neither captured nor compiled
-                verify = self._verify_fn(n, sampling)
-                self._verify[n, sampling] = CapturedCall(verify if eager else self._compiled(verify, n),
-                                                         vars(self.inputs[n]), enabled=on and not eager)
+    @torch.no_grad()
+    def _prepare(self, sampling: SamplingParams) -> None:
+        """Caches and graphs (captured once per cache allocation; verify once per sampling setting). The draft
+        phase is captured first: its warm-ups leave start at 0, where the verify warm-ups then write."""
+        self._fit_caches()
+        if not self.draft.captured:
+            self.draft.capture(self.verify.inputs, self.cuda_graphs)
+            self.compact = CompactRunner(self.target, self.shape, self.cuda_graphs)
+        self.verify.capture(sampling, self.cuda_graphs)
 
     @torch.no_grad()
     def _prefill(self, ids: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -> None:
         """Target prefill in chunks with features, the first token, and the drafter's extend over the prompt."""
         L, aux_layers = ids.shape[1], self.drafter.aux_layers
-        self.state.start.zero_()
+        self.draft.state.start.zero_()
         for s in range(0, L, self.prefill_chunk):
             e = min(s + self.prefill_chunk, L)
             logits, feats = self.target(ids[:, s:e], torch.arange(s, e, device=self.device), hidden_layers=aux_layers)
@@ -314,7 +125,7 @@ class SpecDecoder:
                 first = sample_from_probs(logits_to_probs(logits[0, -1:], sampling), gen) if not sampling.greedy \
                     else logits[0, -1:].argmax(-1)
                 nxt = torch.cat([nxt, first[None]], dim=1)
-            self._extend_fn(feats, nxt, torch.full((1,), e - s, device=self.device))
+            self.draft.extend(feats, nxt, torch.full((1,), e - s, device=self.device))
 
     # ---- the loop -----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -327,7 +138,7 @@ class SpecDecoder:
         self._prepare(sampling)
         gen = torch.Generator(self.device).manual_seed(seed)
         self._prefill(ids, sampling, gen)
-        first = int(self.state.root.item())
+        first = int(self.draft.state.root.item())
         yield Cycle([first])
         if first in stop_ids or max_new_tokens == 1:
             return
@@ -339,18 +150,18 @@ class SpecDecoder:
         while True:
             n = N if L - 1 + N <= S else 1
             if not ahead:
-                self._draft[n, extend]()
+                self.draft(n, extend)
             draft_s = clock.lap()
             if not sampling.greedy:
-                self.inputs[n].noise.exponential_(generator=gen)
-            path, result = self._verify[n, sampling]()
+                self.verify.inputs[n].noise.exponential_(generator=gen)
+            path, result = self.verify(n, sampling)
             verify_s = clock.lap()
             self.result.start(result)
             # The next draft needs only device data: queue it while the host waits, unless this cycle may be the
             # last (length), the next size depends on the count (cache end), or the phases are being timed.
             ahead = self.overlap and not timed and done + longest < max_new_tokens and L + longest - 1 + N <= S
             if ahead:
-                self._draft[N, True]()
+                self.draft(N, True)
             host = self.result.wait()  # the cycle's one host synchronisation
             c = host[0]
             tokens, reason = cut_at_stop(host[1:1 + c][:max_new_tokens - done], stop_ids)
@@ -359,9 +170,7 @@ class SpecDecoder:
                 yield Cycle(tokens, draft_s, verify_s, clock.lap())
                 return
             if self.shape.topk > 1 and c > 1:  # move the accepted path's K/V into place (a chain's already is)
-                root_slot = L - 1 - c
-                self._compact(c, src_slots=path[:c] + root_slot,
-                              dst_slots=self.target.slot_ids[root_slot:root_slot + c])
+                self.compact(c, path, L - 1 - c)
             extend = True
             yield Cycle(tokens, draft_s, verify_s, clock.lap())
 
@@ -396,25 +205,3 @@ class SpecDecoder:
         """Yields the prefill's token, then each cycle's tokens (accepted drafts + bonus)."""
         for cyc in self._cycles(prompt_ids, max_new_tokens, sampling, tuple(stop_ids), seed, timed_phases):
             yield cyc.tokens
-
-
-class HostCopy:
-    """A device result read by the host without waiting for work queued after it: a copy into pinned memory and
-    an event to wait on (on CPU, a plain copy)."""
-
-    def __init__(self, size: int, device: torch.device):
-        cuda = device.type == "cuda"
-        self.buf = torch.empty(size, dtype=torch.long, pin_memory=cuda)
-        self.event = torch.cuda.Event() if cuda else None
-        self.n = 0
-
-    def start(self, t: torch.Tensor) -> None:
-        self.n = t.numel()
-        self.buf[:self.n].copy_(t, non_blocking=True)
-        if self.event is not None:
-            self.event.record()
-
-    def wait(self) -> list[int]:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.buf[:self.n].tolist()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.errors import EngineError
+from engine.spec_settings import DEFAULT_STEPS, DEFAULT_TOPK, SpecSettings, pool_size
 
 
 @dataclass(frozen=True)
@@ -27,25 +27,15 @@ class TreeShape:
     draft_tokens: int  # N: tokens per verify forward, the root included
 
     @classmethod
-    def make(cls, steps: int, topk: int, draft_tokens: int | None = None) -> "TreeShape":
-        if steps < 1:
-            raise EngineError(f"steps must be at least 1, got {steps}")
-        if topk < 1:
-            raise EngineError(f"topk must be at least 1, got {topk}")
-        pool = topk + (steps - 1) * topk * topk
-        if draft_tokens is None:
-            draft_tokens = min(steps * topk, pool) + 1
-        if topk == 1 and draft_tokens != steps + 1:
-            raise EngineError(f"a chain (topk 1) of {steps} steps verifies {steps + 1} tokens; "
-                              f"draft_tokens {draft_tokens} does not fit")
-        if not 2 <= draft_tokens <= pool + 1:
-            raise EngineError(f"draft_tokens must be in 2..{pool + 1} for {steps} steps of topk {topk} "
-                              f"(a pool of {pool} candidates plus the root), got {draft_tokens}")
-        return cls(steps, topk, draft_tokens)
+    def make(cls, steps: int = DEFAULT_STEPS, topk: int = DEFAULT_TOPK,
+             draft_tokens: int | None = None) -> "TreeShape":
+        """Checked (and draft_tokens defaulted) by engine.spec_settings, the same rule the backends apply."""
+        s = SpecSettings(steps, topk, draft_tokens)
+        return cls(s.steps, s.topk, s.draft_tokens)
 
     @property
     def pool_size(self) -> int:
-        return self.topk + (self.steps - 1) * self.topk ** 2
+        return pool_size(self.steps, self.topk)
 
     @property
     def scratch(self) -> int:
@@ -59,8 +49,8 @@ class TreeShape:
 
 
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x.topk(k) along the last dim; k = 1 as a max. A chain drafts with k = 1, and on CUDA topk runs a multi-block
-    radix select (four kernels, ~30 us over a 32k vocabulary on an H200) where a max is one reduction."""
+    """x.topk(k) along the last dim; k = 1 as a max. A chain drafts with k = 1, and on CUDA topk over a vocabulary
+    runs a multi-block radix select (several kernels) where a max is one reduction (docs/findings.md, section 7)."""
     return x.max(-1, keepdim=True) if k == 1 else x.topk(k)
 
 

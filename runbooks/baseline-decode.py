@@ -30,7 +30,7 @@
 # ```
 
 # %% tags=["parameters"]
-shapes = ["small", "tiny"]  # named random-weight shapes (engine.config.SHAPES); the first is the main one
+shapes = ["small", "tiny"]  # named random-weight shapes (engine.shapes.SHAPES); the first is the main one
 device = "cpu"
 dtype = "float32"
 prompt_len = 16

@@ -67,10 +67,10 @@ from pathlib import Path
 import torch
 
 from engine.drafter import load_drafter, new_drafter
-from engine.generate import Generator
 from engine.loading import load_model, random_model, resolve_device, resolve_dtype
 from engine.metrics import breakeven, exact_match, projected_speedup, projected_tok_s
 from engine.speculate import SpecDecoder
+from engine.target_decoder import TargetDecoder
 from engine.timing import cycle_stats
 from engine.train.drafter import prompt_ids
 from engine.train.layout import DrafterOutputs, TargetOutputs
@@ -106,12 +106,12 @@ n_draft = draft_tokens or None
 def decoders(model, drafter, n_draft=None) -> dict:
     """The three decoders, and with torch_compile the baseline and EAGLE-3 again with inductor inside the graphs
     (like against like: a compiled EAGLE-3 is compared with a compiled baseline)."""
-    out = {"baseline": lambda: Generator(model, max_seq_len, cuda_graphs=graphs),
+    out = {"baseline": lambda: TargetDecoder(model, max_seq_len, cuda_graphs=graphs),
            "eagle3": lambda: SpecDecoder(model, drafter, max_seq_len, steps, topk, n_draft),
            "eagle3_eager_verify": lambda: SpecDecoder(model, drafter, max_seq_len, steps, topk, n_draft,
                                                       eager_verify=True)}
     if torch_compile:
-        out["compiled_baseline"] = lambda: Generator(model, max_seq_len, cuda_graphs=graphs, compile=True)
+        out["compiled_baseline"] = lambda: TargetDecoder(model, max_seq_len, cuda_graphs=graphs, compile=True)
         out["compiled_eagle3"] = lambda: SpecDecoder(model, drafter, max_seq_len, steps, topk, n_draft, compile=True)
     return out
 

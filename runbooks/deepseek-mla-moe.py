@@ -30,7 +30,7 @@
 # ```
 
 # %% tags=["parameters"]
-shape = "deepseek-v3-tiny"  # named random-weight shape (engine.config.SHAPES), model_type deepseek_v3
+shape = "deepseek-v3-tiny"  # named random-weight shape (engine.shapes.SHAPES), model_type deepseek_v3
 device = "cpu"
 dtype = "float32"
 prompt_len = 16
@@ -47,9 +47,9 @@ import torch
 
 from engine import deepseek
 from engine.bench import BenchConfig, format_table, prompt_ids, run_bench
-from engine.config import shape_config
 from engine.drafter import new_drafter
 from engine.runtime import Engine
+from engine.shapes import shape_config
 from engine.speculate import SpecDecoder
 from specbook import record
 

@@ -45,10 +45,10 @@ import gc
 import torch
 
 from engine.drafter import new_drafter
-from engine.generate import Generator
 from engine.loading import random_model, resolve_device, resolve_dtype
 from engine.metrics import breakeven, in_decode_steps
 from engine.speculate import SpecDecoder
+from engine.target_decoder import TargetDecoder
 from engine.timing import cycle_stats
 from specbook import record
 
@@ -61,7 +61,7 @@ dft = new_drafter(tgt.cfg, torch.arange(min(32000, tgt.cfg.vocab_size)), embeddi
                   device=dev, dtype=dt)
 g = torch.Generator().manual_seed(seed)
 prompts = [torch.randint(0, tgt.cfg.vocab_size, (prompt_len,), generator=g).tolist()]
-step_ms = cycle_stats(Generator(tgt, max_seq_len, cuda_graphs=graphs), prompts, new_tokens, repeats, seed).ms_per_cycle
+step_ms = cycle_stats(TargetDecoder(tgt, max_seq_len, cuda_graphs=graphs), prompts, new_tokens, repeats, seed).ms_per_cycle
 print(f"{shape} on {dev} {dtype}: baseline decode step {step_ms:.2f} ms")
 
 # %%

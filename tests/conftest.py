@@ -4,7 +4,7 @@ import torch
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """Tiny models on a shared 2-core machine: intra-op threads only contend (30x slower measured).
+    """Tiny models on a shared 2-core machine: intra-op threads only contend, and run far slower than one.
     Opt in per module with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -6,9 +6,10 @@ import textwrap
 import pytest
 
 from engine.backends import serving, sglang, vllm
-from engine.backends.base import LaunchConfig, ServerProcess, SpecSettings
+from engine.backends.base import LaunchConfig, ServerProcess
 from engine.backends.client import RequestResult, summarize
 from engine.errors import EngineError
+from engine.spec_settings import SpecSettings
 
 GAME_PLAN = LaunchConfig(model="/models/Kimi-K2.5-INT4", drafter="/models/k25-eagle3", tp=8, port=30000,
                          spec=SpecSettings(steps=2, topk=1, draft_tokens=3), trust_remote_code=True)

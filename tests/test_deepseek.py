@@ -9,11 +9,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine import deepseek
-from engine.config import ModelConfig, shape_config
+from engine.config import ModelConfig
 from engine.errors import EngineError
-from engine.generate import Generator
 from engine.loading import load_model, random_model, save_model
 from engine.model import Transformer
+from engine.shapes import shape_config
+from engine.target_decoder import TargetDecoder
 
 import transformers  # noqa: E402
 
@@ -133,7 +134,7 @@ def test_greedy_generation_identical_to_transformers_for_64_tokens(tmp_path):
     cfg = tiny(rope_scaling=YARN)
     m, hf = hf_pair(cfg, tmp_path, seed=7)
     prompt = torch.randint(0, cfg.vocab_size, (10,), generator=torch.Generator().manual_seed(11)).tolist()
-    ours = Generator(m, max_seq_len=128, cuda_graphs=False, prefill_chunk=4).generate(prompt, 64).token_ids
+    ours = TargetDecoder(m, max_seq_len=128, cuda_graphs=False, prefill_chunk=4).generate(prompt, 64).token_ids
     theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False, min_new_tokens=64)
     assert ours == theirs[0, len(prompt):].tolist()
     assert len(set(ours)) > 4  # a real continuation, not one token repeated
@@ -324,8 +325,8 @@ def test_graph_decode_and_verify_equal_eager_on_cuda():
     cfg = tiny(rope_scaling=YARN, num_hidden_layers=4)
     m = engine_model(cfg).to("cuda", torch.bfloat16)
     prompt = torch.randint(0, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(2)).tolist()
-    eager = Generator(m, 128, cuda_graphs=False).generate(prompt, 48).token_ids
-    graphed = Generator(m, 128, cuda_graphs=True).generate(prompt, 48).token_ids
+    eager = TargetDecoder(m, 128, cuda_graphs=False).generate(prompt, 48).token_ids
+    graphed = TargetDecoder(m, 128, cuda_graphs=True).generate(prompt, 48).token_ids
     assert graphed == eager
     # an 8-token verify forward, captured vs eager, over the same cache contents
     m.setup_caches(128)
@@ -354,7 +355,7 @@ def test_grouped_experts_on_cuda_match_all_experts():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.no_grad()
 def test_decode_traces_as_one_graph(dtype):
-    """Generator(compile=True) compiles the forward with fullgraph=True: no graph breaks in MLA or MoE."""
+    """TargetDecoder(compile=True) compiles the forward with fullgraph=True: no graph breaks in MLA or MoE."""
     torch._dynamo.reset()
     m = engine_model(tiny(num_hidden_layers=2)).to(dtype)
     m.setup_caches(16)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from engine.drafter import new_drafter
-from engine.generate import Generator
 from engine.speculate import SpecDecoder
+from engine.target_decoder import TargetDecoder
 from test_deepseek import YARN, engine_model, tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -20,7 +20,7 @@ def target():
 @pytest.mark.parametrize("steps,topk,draft_tokens", [(3, 1, None), (3, 2, 6)])
 def test_eagle3_greedy_equals_target(target, steps, topk, draft_tokens):
     prompt = torch.randint(0, target.cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(6)).tolist()
-    want = Generator(target, 96, cuda_graphs=False).generate(prompt, 40).token_ids
+    want = TargetDecoder(target, 96, cuda_graphs=False).generate(prompt, 40).token_ids
     drafter = new_drafter(target.cfg, torch.arange(0, target.cfg.vocab_size, 2), embedding=target.embed_tokens,
                           seed=2, intermediate_size=64)
     assert drafter.aux_layers == target.cfg.default_aux_layers()

@@ -6,12 +6,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import ModelConfig, shape_config
+from engine.config import ModelConfig
 from engine.drafter import (Eagle3Config, Eagle3Drafter, aux_layers_from_ids, default_config, draft_vocab,
                             load_drafter, new_drafter, save_drafter)
 from engine.errors import EngineError
 from engine.loading import random_model
 from engine.model import internal_to_hf
+from engine.shapes import shape_config
 
 # The published 8B drafter layout (field facts, section 1): key -> shape
 LLAMA8B_LAYOUT = {

@@ -1,13 +1,14 @@
-"""Generator, sampling and the runtime facade on CPU (the same code the CUDA graph replays)."""
+"""TargetDecoder, sampling and the runtime facade on CPU (the same code the CUDA graph replays)."""
 import pytest
 import torch
 
 from engine.bench import BenchConfig, run_bench
+from engine.decoding import cut_at_stop
 from engine.errors import EngineError
-from engine.generate import Generator, cut_at_stop
 from engine.loading import random_model
 from engine.runtime import Engine
 from engine.sampling import SamplingParams, logits_to_probs, sample
+from engine.target_decoder import TargetDecoder
 
 PROMPT = [5, 9, 200, 31, 7]
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def gen():
-    return Generator(random_model("tiny", seed=1), 96, prefill_chunk=3)
+    return TargetDecoder(random_model("tiny", seed=1), 96, prefill_chunk=3)
 
 
 def reference_greedy(model, prompt: list[int], n: int) -> list[int]:

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from engine.bench import BenchConfig, run_bench
-from engine.generate import Generator
 from engine.graphs import GraphSet
 from engine.loading import random_model
 from engine.runtime import Engine
 from engine.sampling import SamplingParams
+from engine.target_decoder import TargetDecoder
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 PROMPT = list(range(3, 40))
@@ -20,15 +20,15 @@ def model(request):
 
 
 def test_graph_decode_equals_eager_decode(model):
-    eager = Generator(model, 256, cuda_graphs=False).generate(PROMPT, 64)
-    gen = Generator(model, 256, cuda_graphs=True)
+    eager = TargetDecoder(model, 256, cuda_graphs=False).generate(PROMPT, 64)
+    gen = TargetDecoder(model, 256, cuda_graphs=True)
     graph = gen.generate(PROMPT, 64)
     assert gen._calls[SamplingParams()].captured
     assert graph.token_ids == eager.token_ids and len(graph.token_ids) == 64
 
 
 def test_graph_sampling_is_seeded(model):
-    gen = Generator(model, 256)
+    gen = TargetDecoder(model, 256)
     p = SamplingParams(temperature=0.8, top_k=40, top_p=0.9)
     a = gen.generate(PROMPT, 48, p, seed=11).token_ids
     assert gen.generate(PROMPT, 48, p, seed=11).token_ids == a
@@ -38,7 +38,7 @@ def test_graph_sampling_is_seeded(model):
 
 def test_decode_loop_has_no_host_sync(model):
     for graphs in (True, False):
-        gen = Generator(model, 256, cuda_graphs=graphs)
+        gen = TargetDecoder(model, 256, cuda_graphs=graphs)
         step, _, _ = gen.begin(PROMPT, 32, SamplingParams(temperature=1.0, top_k=20, top_p=0.9), seed=0)
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -71,8 +71,8 @@ def test_graphs_for_every_token_count_match_eager(model):
 
 def test_compiled_step_inside_the_graph_matches_eager():
     model = random_model("small", device="cuda", dtype="float32", seed=4)
-    eager = Generator(model, 128, cuda_graphs=False).generate(PROMPT, 32).token_ids
-    assert Generator(model, 128, compile=True).generate(PROMPT, 32).token_ids == eager
+    eager = TargetDecoder(model, 128, cuda_graphs=False).generate(PROMPT, 32).token_ids
+    assert TargetDecoder(model, 128, compile=True).generate(PROMPT, 32).token_ids == eager
 
 
 def test_engine_bf16_and_bench_on_cuda():

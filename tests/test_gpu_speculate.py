@@ -5,9 +5,9 @@ import warnings
 import pytest
 import torch
 
-from engine.generate import Generator
 from engine.sampling import SamplingParams
 from engine.speculate import SpecDecoder
+from engine.target_decoder import TargetDecoder
 from test_speculate import bigram_target, drafter_for, prompts
 
 pytestmark = [pytest.mark.gpu,
@@ -33,7 +33,7 @@ def test_graph_verify_equals_eager_verify(steps, topk, n, sampling):
         runs[name] = [spec.generate(p, 48, sampling, seed=i) for i, p in enumerate(prompts(4))]
     captured = SpecDecoder(t, d, 256, steps, topk, n)
     captured.generate(prompts(1)[0], 4)
-    assert all(c.captured for c in captured._verify.values())
+    assert all(c.captured for c in captured.verify.calls.values())
     for name in ("eager_verify", "eager"):
         for a, b in zip(runs["graphs"], runs[name]):
             assert a.token_ids == b.token_ids, name
@@ -64,7 +64,7 @@ def test_one_host_sync_per_cycle(steps, topk, n):
 @pytest.mark.parametrize("steps,topk,n", CASES)
 def test_bf16_greedy_equals_baseline(steps, topk, n):
     t, d = on_cuda(1.0, torch.bfloat16)
-    base = Generator(t, 256)
+    base = TargetDecoder(t, 256)
     spec = SpecDecoder(t, d, 256, steps, topk, n)
     for p in prompts(6):
         want, got = base.generate(p, 64), spec.generate(p, 64)

@@ -8,8 +8,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from engine.config import ModelConfig
-from engine.generate import Generator
 from engine.loading import load_model, random_model, save_model
+from engine.target_decoder import TargetDecoder
 
 TOL = 1e-4
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -84,7 +84,7 @@ def test_greedy_generation_matches_transformers_generate(pair):
     n = 64
     expect = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)[0, len(prompt):]
-    got = Generator(ours, 128, prefill_chunk=4).generate(prompt, n)
+    got = TargetDecoder(ours, 128, prefill_chunk=4).generate(prompt, n)
     assert got.token_ids == expect.tolist()
     assert len(got.token_ids) == n
     ours.drop_caches()

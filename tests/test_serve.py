@@ -97,7 +97,7 @@ def test_chat_stream_equals_non_stream(url):
 def test_speculative_meta_info_matches_engine(tmp_path):
     import torch
 
-    from engine.config import shape_config
+    from engine.shapes import shape_config
     from engine.drafter import new_drafter, save_drafter
 
     save_drafter(new_drafter(shape_config("tiny"), torch.arange(256)), tmp_path / "drafter")

@@ -9,10 +9,10 @@ import torch
 from engine.config import ModelConfig
 from engine.drafter import Eagle3Drafter, new_drafter
 from engine.errors import EngineError
-from engine.generate import Generator
 from engine.loading import random_model
 from engine.sampling import SamplingParams
 from engine.speculate import SpecDecoder
+from engine.target_decoder import TargetDecoder
 from engine.tree import TreeShape, accept, ancestors, build_tree, select_nodes, top_children, topk, tree_mask
 
 V = 97  # prime, so x -> 7x + 3 is a permutation
@@ -79,7 +79,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 
 def same_as_target(target, drafter, steps, topk, draft_tokens=None, n_prompts=8, new=32, seq=96, **kw):
-    base = Generator(target, seq, cuda_graphs=False)
+    base = TargetDecoder(target, seq, cuda_graphs=False)
     spec = SpecDecoder(target, drafter, seq, steps, topk, draft_tokens, **kw)
     results = []
     for p in prompts(n_prompts):
@@ -139,7 +139,7 @@ def test_eos_inside_a_draft_stops_there(topk, n):
     r = spec.generate(p, 30, stop_ids=(stop,))
     assert r.token_ids == full[:7] and r.finish_reason == "stop"
     assert list(spec.stream(p, 30, stop_ids=(stop,)))[-1][-1] == stop
-    assert Generator(t, 128, cuda_graphs=False).generate(p, 30, stop_ids=(stop,)).token_ids == r.token_ids
+    assert TargetDecoder(t, 128, cuda_graphs=False).generate(p, 30, stop_ids=(stop,)).token_ids == r.token_ids
 
 
 @pytest.mark.parametrize("topk,n", [(1, None), (3, 12)])
@@ -148,7 +148,7 @@ def test_cache_filling_up_falls_back_and_ends_cleanly(topk, n):
     seq = 48
     p = prompts(1)[0]
     d = drafter_for(t, oracle=True, miss=3)
-    want = Generator(t, seq, cuda_graphs=False).generate(p, seq - len(p))
+    want = TargetDecoder(t, seq, cuda_graphs=False).generate(p, seq - len(p))
     got = SpecDecoder(t, d, seq, 4, topk, n).generate(p, seq - len(p))
     assert got.token_ids == want.token_ids and got.finish_reason == "length"
     assert len(got.token_ids) == seq - len(p)
@@ -163,7 +163,7 @@ def test_draft_queued_ahead_of_the_host_read_gives_the_same_tokens(steps, topk, 
     results = same_as_target(t, d, steps, topk, n, n_prompts=4, new=40, seq=60, overlap=True)
     assert sum(r.accept_hist[1] for r in results) and sum(sum(r.accept_hist[2:]) for r in results)
     p = prompts(1)[0]
-    full = Generator(t, 60, cuda_graphs=False).generate(p, 60 - len(p)).token_ids
+    full = TargetDecoder(t, 60, cuda_graphs=False).generate(p, 60 - len(p)).token_ids
     spec = SpecDecoder(t, d, 60, steps, topk, n, overlap=True)
     assert spec.generate(p, 60 - len(p)).token_ids == full  # the last cycles fall back to verifying one token
     assert spec.generate(p, 40, stop_ids=(full[9],)).token_ids == full[:full.index(full[9]) + 1]
@@ -318,7 +318,7 @@ def test_cycle_stats_for_baseline_and_speculation():
 
     t = bigram_target(1.0)
     ps = prompts(2)
-    base = cycle_stats(Generator(t, 96, cuda_graphs=False), ps, 24, repeats=2)
+    base = cycle_stats(TargetDecoder(t, 96, cuda_graphs=False), ps, 24, repeats=2)
     spec = cycle_stats(SpecDecoder(t, drafter_for(t, oracle=True), 96, 3, 1), ps, 24, repeats=2)
     assert base.token_ids == spec.token_ids and len(base.samples) == 2
     assert base.accept_length == 1.0 and base.draft_ms == 0.0 and base.verify_ms > 0
@@ -348,7 +348,7 @@ def test_one_compile_serves_every_draft_step():
     r = SpecDecoder(t, d, 96, 7, 1, compile=True).generate(prompts(1)[0], 16)
     # the extend, the draft step, the tree build and the verify of 8 tokens: one each, not one per step
     assert counters["stats"]["unique_graphs"] == 4
-    assert r.token_ids == Generator(t, 96).generate(prompts(1)[0], 16).token_ids
+    assert r.token_ids == TargetDecoder(t, 96).generate(prompts(1)[0], 16).token_ids
 
 
 @pytest.mark.parametrize("topk", [1, 3])
@@ -367,9 +367,9 @@ def test_padded_extend_equals_the_exact_one(topk, count):
         spec._prepare(SamplingParams())
         cache = d.midlayer.self_attn.cache
         cache.k.zero_(), cache.v.zero_()  # the decoders share the drafter's cache: nothing carries over
-        spec.state.start.fill_(10)
-        spec._extend_fn(feats[:, :rows], tokens[:, :rows], torch.tensor([count]))
-        states.append({**{k: v.clone() for k, v in vars(spec.state).items()},
+        spec.draft.state.start.fill_(10)
+        spec.draft.extend(feats[:, :rows], tokens[:, :rows], torch.tensor([count]))
+        states.append({**{k: v.clone() for k, v in vars(spec.draft.state).items()},
                        "k": cache.k[:, :, :10 + count].clone(), "v": cache.v[:, :, :10 + count].clone()})
     exact, padded = states
     assert int(padded["start"]) == 10 + count and int(padded["root"]) == int(tokens[0, count - 1])

@@ -230,7 +230,7 @@ def drafter_run(**kw) -> DrafterRun:
 
 
 def test_regenerated_samples_are_the_targets_greedy_answers(world):
-    from engine.generate import Generator
+    from engine.target_decoder import TargetDecoder
     from engine.train.data import token_stream
 
     target = load_model(world["target"].path)
@@ -238,7 +238,7 @@ def test_regenerated_samples_are_the_targets_greedy_answers(world):
     seqs = D.regenerate(target, stream, drafter_run(samples=5, seq_len=24, regen_tokens=8, regen_batch=2))
     assert seqs.shape == (5, 24)
     for row in seqs[[0, 4]]:  # a full batch and the last, smaller one
-        g = Generator(target, 64, cuda_graphs=False).generate(row[:16].tolist(), 8)
+        g = TargetDecoder(target, 64, cuda_graphs=False).generate(row[:16].tolist(), 8)
         target.drop_caches()
         assert g.token_ids == row[16:].tolist()
 

@@ -8,10 +8,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from engine.backends.base import LaunchConfig, ServerProcess, SpecSettings
+from engine.backends.base import LaunchConfig, ServerProcess
 from engine.backends.sglang import SGLangServer
 from engine.backends.vllm import VLLMServer
 from engine.errors import EngineError
+from engine.spec_settings import SpecSettings
 
 SERVERS: dict[str, type[ServerProcess]] = {"sglang": SGLangServer, "vllm": VLLMServer}
 BACKENDS = ("bundled", "http", *SERVERS)

@@ -12,23 +12,7 @@ from pathlib import Path
 import httpx
 
 from engine.errors import EngineError
-
-
-@dataclass
-class SpecSettings:
-    """EAGLE-3 settings shared by every backend. A chain (topk 1) verifies steps + 1 tokens."""
-
-    steps: int = 2
-    topk: int = 1
-    draft_tokens: int = 3
-
-    def __post_init__(self) -> None:
-        if self.steps < 1 or self.topk < 1 or self.draft_tokens < 2:
-            raise EngineError(f"bad speculative settings {self}: need steps >= 1, topk >= 1, draft_tokens >= 2")
-        if self.topk == 1 and self.draft_tokens != self.steps + 1:
-            raise EngineError(
-                f"a chain (topk 1) of {self.steps} steps verifies {self.steps + 1} tokens, not {self.draft_tokens}"
-            )
+from engine.spec_settings import SpecSettings
 
 
 @dataclass

@@ -1,0 +1,289 @@
+"""The captured phases of a speculation cycle, one runner per phase as SGLang has one graph runner per phase.
+
+Each runner owns the static input buffers of its graphs and the graphs (CapturedCall / GraphSet) captured over them;
+the phase before it writes into those buffers, so a replay needs no host data:
+
+  DraftRunner    extend + draft steps + tree build; reads ExtendInputs (its own), writes the verify's TreeInputs
+  VerifyRunner   the target forward over the tree and the acceptance; reads TreeInputs (its own), writes the
+                 accepted path into the draft runner's ExtendInputs and returns what the host reads
+  CompactRunner  trees only: the accepted path's K/V moved into place, one graph per accepted count
+
+engine.speculate captures them (SpecDecoder._prepare) and replays them in its loop.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.drafter import Eagle3Drafter
+from engine.graphs import CapturedCall, GraphSet
+from engine.sampling import SamplingParams, logits_to_probs
+from engine.tree import TreeShape, accept, ancestors, build_tree, select_nodes, top_children, topk, tree_mask
+
+
+def maybe_compile(fn: Callable, on: bool) -> Callable:
+    """fn through torch.compile (inductor) when `on`, then captured inside our own graph like the eager fn. A draft
+    step and a verify are many small kernels (norms, RoPE, log-softmax, top-k, state updates) around the weights'
+    matrix reads: inductor fuses the small ones."""
+    return torch.compile(fn, fullgraph=True, dynamic=False) if on else fn
+
+
+@dataclass
+class DraftState:
+    """Static buffers the draft graphs read and advance; nothing here leaves the device during a cycle."""
+    start: torch.Tensor  # [1] position (and target slot) of the root
+    root: torch.Tensor  # [1] the root token
+    beam_scores: torch.Tensor  # [K] cumulative log-probs of the beams
+    beam_tokens: torch.Tensor  # [K] target ids
+    beam_pool: torch.Tensor  # [K] pool index of each beam
+    beam_hidden: torch.Tensor  # [1, K, H] drafter output the beams' next entries are built from
+    beam_anc: torch.Tensor  # [K, scratch] bool: scratch slots of each beam's drafted ancestors
+    pool_scores: torch.Tensor  # [P]
+    pool_tokens: torch.Tensor  # [P] target ids
+    pool_parents: torch.Tensor  # [P] pool index of the parent, -1 for depth 1
+    pool_depth: torch.Tensor  # [P] constant
+
+    @classmethod
+    def empty(cls, shape: TreeShape, hidden: int, dtype: torch.dtype, device: torch.device) -> "DraftState":
+        K, P = shape.topk, shape.pool_size
+        long = dict(dtype=torch.long, device=device)
+        parents = torch.full((P,), -1, **long)
+        return cls(torch.zeros(1, **long), torch.zeros(1, **long), torch.zeros(K, device=device),
+                   torch.zeros(K, **long), torch.zeros(K, **long), torch.zeros(1, K, hidden, dtype=dtype,
+                                                                                 device=device),
+                   torch.zeros(K, shape.scratch, dtype=torch.bool, device=device), torch.zeros(P, device=device),
+                   torch.zeros(P, **long), parents, shape.pool_depths(device))
+
+
+@dataclass
+class TreeInputs:
+    """Static inputs of one verify size N, written by the draft phase's tree build and read by the verify graph."""
+    tokens: torch.Tensor  # [1, N]
+    pos: torch.Tensor  # [N]
+    slots: torch.Tensor  # [N]
+    mask: torch.Tensor  # [N, S]
+    parents: torch.Tensor  # [N]
+    depth: torch.Tensor  # [N]
+    anc: torch.Tensor  # [N, N]
+    noise: torch.Tensor  # [N, V] Exp(1) draws for sampling (filled per cycle; unused when greedy)
+
+    @classmethod
+    def empty(cls, n: int, seq_len: int, vocab: int, device: torch.device) -> "TreeInputs":
+        long = dict(dtype=torch.long, device=device)
+        return cls(torch.zeros(1, n, **long), torch.zeros(n, **long), torch.arange(n, **long),
+                   torch.ones(n, seq_len, dtype=torch.bool, device=device), torch.zeros(n, **long),
+                   torch.zeros(n, **long), torch.eye(n, dtype=torch.bool, device=device),
+                   torch.ones(n, vocab, device=device))
+
+
+@dataclass
+class ExtendInputs:
+    """The accepted path as the draft-extend reads it: written by the verify graph, read by the next draft graph.
+    Padded to steps + 1 rows (the longest path), so one graph serves every accepted count."""
+    feats: torch.Tensor  # [1, E, 3 * target hidden] target features at the path's nodes
+    tokens: torch.Tensor  # [1, E] the target's tokens after them (accepted drafts + bonus)
+    count: torch.Tensor  # [1] valid rows
+
+    @classmethod
+    def empty(cls, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> "ExtendInputs":
+        long = dict(dtype=torch.long, device=device)
+        return cls(torch.zeros(1, rows, width, dtype=dtype, device=device), torch.zeros(1, rows, **long),
+                   torch.ones(1, **long))
+
+
+class DraftRunner:
+    """The draft phase as one graph per (draft-token count, with the extend): the draft-extend over the last accepted
+    path (left out in the first cycle, whose extend was the prefill's), the k-1 draft steps (none for a verify of one
+    token), the tree build into the verify's inputs. One compile each for the extend, all draft steps and the build."""
+
+    def __init__(self, target: torch.nn.Module, drafter: Eagle3Drafter, shape: TreeShape, max_seq_len: int,
+                 compile: bool = False):
+        self.target, self.drafter, self.shape, self.max_seq_len = target, drafter, shape, max_seq_len
+        self.device, self.compile = target.device, compile
+        self.state = DraftState.empty(shape, drafter.cfg.hidden_size, drafter.dtype, self.device)
+        self.inputs = ExtendInputs.empty(shape.steps + 1, 3 * drafter.cfg.feature_size, drafter.dtype, self.device)
+        self.calls: dict[tuple[int, bool], CapturedCall] = {}
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.calls)
+
+    def clear(self) -> None:
+        self.calls.clear()
+
+    def __call__(self, n: int, extend: bool) -> None:
+        self.calls[n, extend]()
+
+    def capture(self, trees: dict[int, TreeInputs], enabled: bool) -> None:
+        """One graph per verify size in `trees` (largest first: the smaller reuse its pool), with and without the
+        extend; they never replay at once, so they share one memory pool."""
+        st = self.state
+        compiled = {"extend": maybe_compile(self.extend, self.compile),
+                    "step": maybe_compile(self._draft_step, self.compile)}
+        pool = torch.cuda.graph_pool_handle() if enabled and self.device.type == "cuda" else None
+        for n in sorted(trees, reverse=True):
+            for extend in (True, False):
+                st.start.zero_()  # warm-up runs advance start: keep their writes inside the cache
+                self.calls[n, extend] = CapturedCall(self._phase_fn(trees[n], extend, compiled),
+                                                     {**vars(self.inputs), "start": st.start}, enabled=enabled,
+                                                     pool=pool)
+        st.start.zero_()  # the verify warm-ups then write slots 0..N-1
+
+    def extend(self, feats: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> None:
+        """Drafter entries for positions start .. start+T-1 from target features and the tokens after them; the
+        top-K at entry count-1 become the depth-1 candidates. Advances start by count (rows past it are padding).
+        Also the prefill's extend over the prompt, eagerly."""
+        st, K = self.state, self.shape.topk
+        T = tokens.shape[1]
+        pos = st.start + torch.arange(T, device=self.device)
+        logits, out = self.drafter(feats, tokens, pos)
+        last = count - 1
+        scores, ids = topk(F.log_softmax(logits[0].index_select(0, last)[0], -1), K)
+        st.pool_scores[:K] = scores
+        st.pool_tokens[:K] = self.drafter.draft_to_target(ids)
+        st.beam_scores.copy_(scores)
+        st.beam_tokens.copy_(st.pool_tokens[:K])
+        st.beam_pool.copy_(torch.arange(K, device=self.device))
+        st.beam_hidden.copy_(out.index_select(1, last).expand(1, K, -1))
+        st.beam_anc.zero_()
+        st.root.copy_(tokens[0].index_select(0, last))
+        st.start.add_(count)
+
+    def _draft_step_inputs(self, i: int) -> dict[str, torch.Tensor]:
+        """Static inputs of draft step i (1..k-1): all that differs between steps is data, so one compiled function
+        serves every step (one compile, not k-1)."""
+        st, K, S = self.state, self.shape.topk, self.max_seq_len
+        long = dict(dtype=torch.long, device=self.device)
+        own_slots = torch.arange((i - 1) * K, i * K, **long)  # scratch index of this step's entries
+        itself = torch.zeros_like(st.beam_anc)  # each beam sees its own new entry
+        itself[torch.arange(K, device=self.device), own_slots] = True
+        off = K + (i - 1) * K * K
+        return {"start": st.start, "depth": torch.full((1,), i - 1, **long), "slots": S + own_slots,
+                "itself": itself, "dst": torch.arange(off, off + K * K, **long)}
+
+    def _draft_step(self, start: torch.Tensor, depth: torch.Tensor, slots: torch.Tensor, itself: torch.Tensor,
+                    dst: torch.Tensor) -> None:
+        """One draft step: the beams (at position root + depth) each propose K children; all K*K join the pool at
+        `dst`, the best K become the next beams."""
+        st, K, S = self.state, self.shape.topk, self.max_seq_len
+        pos = (start + depth).expand(K)
+        own = st.beam_anc | itself
+        mask = torch.cat([(self.target.slot_ids[:S] < start)[None, :].expand(K, S), own], dim=1)
+        logits, out = self.drafter(st.beam_hidden, st.beam_tokens[None], pos, slots, mask)
+        scores, ids, rows = top_children(st.beam_scores, F.log_softmax(logits[0], -1), K)
+        tokens = self.drafter.draft_to_target(ids)
+        st.pool_scores.index_copy_(0, dst, scores)
+        st.pool_tokens.index_copy_(0, dst, tokens)
+        st.pool_parents.index_copy_(0, dst, st.beam_pool[rows])
+        keep = topk(scores, K)[1]
+        st.beam_scores.copy_(scores[keep])
+        st.beam_tokens.copy_(tokens[keep])
+        st.beam_pool.copy_(dst[keep])
+        st.beam_hidden.copy_(out[:, rows[keep]])
+        st.beam_anc.copy_(own[rows[keep]])
+
+    def _build_fn(self, ti: TreeInputs) -> Callable[[torch.Tensor], None]:
+        st, n = self.state, ti.tokens.shape[1]
+
+        def build(start: torch.Tensor) -> None:
+            sel = select_nodes(st.pool_scores, n - 1)
+            tokens, parents, depth = build_tree(sel, st.pool_parents, st.pool_tokens, st.pool_depth, st.root)
+            anc = ancestors(parents, self.shape.steps)
+            ti.tokens.copy_(tokens[None])
+            ti.pos.copy_(start + depth)
+            ti.slots.copy_(start + torch.arange(n, device=self.device))
+            ti.mask.copy_(tree_mask(anc, start, self.max_seq_len))
+            ti.parents.copy_(parents)
+            ti.depth.copy_(depth)
+            ti.anc.copy_(anc)
+
+        return build
+
+    def _phase_fn(self, ti: TreeInputs, extend: bool, compiled: dict[str, Callable]) -> Callable[..., None]:
+        """What one draft graph runs for a verify of n tokens. A verify of one token (the fallback at the cache's
+        end) is rare: its build is captured, not compiled, which saves a compile."""
+        n = ti.tokens.shape[1]
+        steps = [self._draft_step_inputs(i) for i in range(1, self.shape.steps)] if n > 1 else []
+        build = maybe_compile(self._build_fn(ti), self.compile and n != 1)
+
+        def draft(feats: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor, start: torch.Tensor) -> None:
+            if extend:
+                compiled["extend"](feats, tokens, count)
+            for inputs in steps:
+                compiled["step"](**inputs)
+            build(start)
+
+        return draft
+
+
+class VerifyRunner:
+    """The target's verify as one graph per (tree size, sampling setting): the forward over root + tree with the
+    drafter's features, the target's choice after every node, the accepted path. It writes the path's features and
+    tokens into the draft runner's ExtendInputs and returns (path, [count, emitted tokens]) for the host.
+    `eager`: neither captured nor compiled (the game plan's "extend mode without CUDA graphs", to measure its cost)."""
+
+    def __init__(self, target: torch.nn.Module, aux_layers: tuple[int, ...], shape: TreeShape, max_seq_len: int,
+                 extend_inputs: ExtendInputs, compile: bool = False, eager: bool = False):
+        self.target, self.aux_layers, self.shape = target, aux_layers, shape
+        self.extend_inputs = extend_inputs
+        self.compile, self.eager = compile, eager
+        vocab, dev = target.cfg.vocab_size, target.device
+        # the full tree, and one token for the cache's end where the tree no longer fits
+        self.inputs = {n: TreeInputs.empty(n, max_seq_len, vocab, dev) for n in (1, shape.draft_tokens)}
+        self.calls: dict[tuple[int, SamplingParams], CapturedCall] = {}
+
+    def clear(self) -> None:
+        self.calls.clear()
+
+    def __call__(self, n: int, sampling: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.calls[n, sampling]()
+
+    def capture(self, sampling: SamplingParams, enabled: bool) -> None:
+        """The graphs of one sampling setting, once. A verify of one token is captured, not compiled."""
+        for n in self.inputs:
+            if (n, sampling) not in self.calls:
+                fn = self._fn(n, sampling)
+                fn = fn if self.eager else maybe_compile(fn, self.compile and n != 1)
+                self.calls[n, sampling] = CapturedCall(fn, vars(self.inputs[n]), enabled=enabled and not self.eager)
+
+    def _fn(self, n: int, sampling: SamplingParams) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        aux_layers, max_depth, ext = self.aux_layers, self.shape.steps, self.extend_inputs
+        m = min(n, max_depth + 1)  # path rows the extend can need
+
+        def verify(tokens, pos, slots, mask, parents, depth, anc, noise):
+            logits, aux = self.target(tokens, pos, slots, mask, hidden_layers=aux_layers)
+            if sampling.greedy:
+                choice = logits[0].argmax(-1)
+            else:
+                choice = (logits_to_probs(logits[0], sampling) / noise).argmax(-1)  # exponential race
+            count, path, emitted = accept(tokens[0], choice, parents, depth, anc, max_depth)
+            ext.feats[:, :m].copy_(aux.index_select(1, path[:m]))
+            ext.tokens[0, :m].copy_(emitted[:m])
+            ext.count.copy_(count)
+            return path, torch.cat([count, emitted])  # result: what the host reads
+
+        return verify
+
+
+class CompactRunner:
+    """A tree's accepted path, written at the slots of its verify indices, moved to consecutive slots after the
+    root: one launch instead of copies per layer, one graph per accepted count 2..k+1 (an accepted root alone is
+    in place). A chain's path is in place already."""
+
+    def __init__(self, target: torch.nn.Module, shape: TreeShape, enabled: bool):
+        self.target = target
+        dev = target.device
+
+        def slots(c: int) -> dict[str, torch.Tensor]:
+            return {"src_slots": torch.zeros(c, dtype=torch.long, device=dev),
+                    "dst_slots": torch.zeros(c, dtype=torch.long, device=dev)}
+
+        self.graphs = GraphSet(target.move_cache, slots, range(2, shape.steps + 2), enabled=enabled)
+
+    def __call__(self, count: int, path: torch.Tensor, root_slot: int) -> None:
+        """Path nodes 0..count-1 (verify indices from root_slot) to slots root_slot .. root_slot + count - 1."""
+        self.graphs(count, src_slots=path[:count] + root_slot,
+                    dst_slots=self.target.slot_ids[root_slot:root_slot + count])
