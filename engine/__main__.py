@@ -110,7 +110,7 @@ def generate(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, igno
 def bench(prompt_len, new_tokens, repeats, sizes, eager, peer, profile, as_json, debug, **load) -> None:
     """Decode tok/s and ms/token (graph and eager), bandwidth utilisation against the copy bandwidth measured in
     the same run, forward cost per T, and transformers' static-cache generate as the peer."""
-    from engine.bench import BenchConfig, format_table, run_bench
+    from engine.bench import BenchConfig, format_bench, run_bench
 
     # --compile adds a "compiled" baseline row; the target-alone engine stays plain so "graph" is the uncompiled
     # step, and a speculative one is compiled (its row then compares with "compiled")
@@ -122,7 +122,7 @@ def bench(prompt_len, new_tokens, repeats, sizes, eager, peer, profile, as_json,
     eng = load_engine(**{**load, "max_seq_len": load["max_seq_len"] or cfg.cache_len()},
                       compile_=cfg.compile and load["drafter"] is not None)
     r = run_bench(eng, cfg)
-    click.echo(json.dumps(r.to_dict()) if as_json else format_table(r))
+    click.echo(json.dumps(r.to_dict()) if as_json else format_bench(r))
 
 
 # ---- commands owned by other modules: each registers itself here when its module is present ---------------

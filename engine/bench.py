@@ -99,7 +99,7 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * nbytes / s / 1e9
 
 
-def prompt_ids(vocab: int, n: int, seed: int) -> list[int]:
+def random_prompt(vocab: int, n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
@@ -227,7 +227,7 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
     res = BenchResult(model=eng.name, device=str(device), dtype=str(model.dtype).removeprefix("torch."),
                       graphs=graphs, prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens, max_seq_len=eng.max_seq_len,
                       weight_bytes=model.weight_bytes(), copy_gb_s=copy_bandwidth(device))
-    prompt = prompt_ids(model.cfg.vocab_size, cfg.prompt_len, cfg.seed)
+    prompt = random_prompt(model.cfg.vocab_size, cfg.prompt_len, cfg.seed)
     stat = lambda dec: decode_stat(dec, prompt, cfg, res.weight_bytes, res.copy_gb_s)  # noqa: E731
     fastest = Generator(model, eng.max_seq_len, cuda_graphs=True)
     res.decode["graph"] = stat(fastest)
@@ -257,7 +257,7 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
     return res
 
 
-def format_table(r: BenchResult) -> str:
+def format_bench(r: BenchResult) -> str:
     gb = r.weight_bytes / 1e9
     lines = [f"{r.model} on {r.device} ({r.dtype}), prompt {r.prompt_len}, {r.new_tokens} new tokens, cache "
              f"{r.max_seq_len}, weights read per token {gb:.3f} GB, copy bandwidth {r.copy_gb_s:.1f} GB/s",

@@ -49,7 +49,7 @@ import gc
 
 import torch
 
-from engine.bench import BenchConfig, format_table, run_bench
+from engine.bench import BenchConfig, format_bench, run_bench
 from engine.runtime import Engine
 from specbook import record
 
@@ -61,7 +61,7 @@ for shape in shapes:
                       compile=torch_compile, profile=profile)
     eng = Engine.load(shape=shape, device=device, dtype=dtype, max_seq_len=max_seq_len or cfg.cache_len())
     results[shape] = run_bench(eng, cfg)
-    print(format_table(results[shape]), end="\n\n")
+    print(format_bench(results[shape]), end="\n\n")
     del eng  # free the weights and graphs before the next shape
     gc.collect()
     if device.startswith("cuda"):

@@ -71,7 +71,7 @@ from engine.generate import Generator
 from engine.loading import load_model, random_model, resolve_device, resolve_dtype
 from engine.speculate import SpecDecoder
 from engine.timing import cycle_stats
-from engine.train.drafter import prompt_ids
+from engine.train.drafter import held_out_prompts
 from engine.train.tokenizer import load_tokenizer
 from specbook import record
 
@@ -85,7 +85,7 @@ target_dir = Path(target or Path(upstream["train-target"]) / "target-a")
 drafter_dir = Path(drafter or Path(upstream["train-drafter"]) / "drafter-a")
 tgt = load_model(target_dir, dev, dt)
 dft = load_drafter(drafter_dir, tgt, dev, dt)
-prompts = [p[:prompt_len] for p in prompt_ids(load_tokenizer(target_dir), n_prompts, 8 * prompt_len, "A")]
+prompts = [p[:prompt_len] for p in held_out_prompts(load_tokenizer(target_dir), n_prompts, 8 * prompt_len, "A")]
 print(f"target {target_dir} ({tgt.cfg.num_hidden_layers} layers, hidden {tgt.cfg.hidden_size}, vocab "
       f"{tgt.cfg.vocab_size}), drafter {drafter_dir} (feature layers {dft.aux_layers}) on {dev} {dtype}; "
       f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens")

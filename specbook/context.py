@@ -63,7 +63,7 @@ def _sections_of(text: str, level: str) -> list[tuple[str, str]]:
     return list(zip(parts[1::2], parts[2::2]))
 
 
-def _plain(text: str) -> str:
+def _plain_text(text: str) -> str:
     text = re.sub(r"<!--\s*(?:claim|cite):[^>]*-->|<!--\s*/(?:claim|cite)\s*-->", "", text)
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
     return " ".join(text.replace("**", "").split())
@@ -71,7 +71,7 @@ def _plain(text: str) -> str:
 
 def _field(body: str, name: str) -> str:
     m = re.search(rf"^- \*\*{name}:\*\*(.*?)(?=^- \*\*|^#|\Z)", body, flags=re.M | re.S)
-    return _plain(m.group(1)) if m else ""
+    return _plain_text(m.group(1)) if m else ""
 
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
@@ -102,7 +102,7 @@ def next_step_lines(root: Path) -> list[str]:
         return []
     for heading, body in _sections_of(path.read_text(), "##"):
         if heading.strip().lower() == "next steps":
-            return [f"- {_plain(item)}" for item in re.findall(r"^- (.+(?:\n  .+)*)", body, flags=re.M)]
+            return [f"- {_plain_text(item)}" for item in re.findall(r"^- (.+(?:\n  .+)*)", body, flags=re.M)]
     return []
 
 
