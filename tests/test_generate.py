@@ -127,7 +127,7 @@ def test_engine_facade_streams_chunks_and_generates():
 
 def test_bench_reports_consistent_numbers_on_cpu():
     eng = Engine.load(shape="tiny", max_seq_len=64)
-    r = run_bench(eng, BenchConfig(prompt_len=8, new_tokens=8, repeats=1, sizes=(1, 8), profile=True))
+    r = run_bench(eng, BenchConfig(prompt_len=8, new_tokens=8, repeats=1, sizes=(1, 8), torch_profile=True))
     assert not r.graphs and set(r.decode) == {"graph", "eager"} and set(r.forward_ms) == {"eager"}
     for d in r.decode.values():
         assert d.tok_s > 0 and d.ms_per_token == pytest.approx(1000 / d.tok_s)
@@ -137,7 +137,7 @@ def test_bench_reports_consistent_numbers_on_cpu():
     assert r.t8_over_t1 == pytest.approx(r.forward_ms["eager"][8] / r.forward_ms["eager"][1])
     assert 0 < r.gemv_ms
     assert r.step_ms["matrix"] > 0 and r.step_ms["attention"] > 0 and r.step_ms["kernels"] > 0
-    assert "aten::mm" in r.profile
+    assert "aten::mm" in r.profile_table
     assert r.to_dict()["peer_ratio"] == r.peer_ratio
     with pytest.raises(EngineError, match="max-seq-len"):
         run_bench(eng, BenchConfig(prompt_len=60, new_tokens=8, peer=False))
