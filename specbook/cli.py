@@ -39,8 +39,8 @@ Exit codes (the same meanings as python -m engine's):
   1    a check failed: drifted or flaky numbers, docs that disagree with the records
        (verify --docs), `status`: something is stale, `site --check`: a generated file is out of date
   2    bad input or usage: unknown runbook, profile, option or parameter, malformed header or
-       record (`list`, `status`, `context`: the malformed record file is named on stderr, the
-       others are still shown); one line on stderr
+       record; one line on stderr (`list`, `status`, `context`: a malformed record file, named
+       on stderr; the others are still shown)
   3    internal failure, could not run: a runbook failed, timed out, or cannot run on this
        machine's profile; one line on stderr (--debug shows the traceback)
   130  interrupted (Ctrl-C)"""
