@@ -33,7 +33,7 @@ class BenchConfig:
     peer: bool = True  # also time transformers' generate (static cache)
     compile: bool = False  # also time the decode with its forward through torch.compile, inside our graph
     seed: int = 0
-    torch_profile: bool = False  # also run torch.profiler on the fastest decode step: where its time goes, kernel by kernel
+    torch_profile: bool = False  # also run torch.profiler on the fastest decode step: its time, kernel by kernel
 
     def resolve(self, device: torch.device) -> "BenchConfig":
         cuda = device.type == "cuda"
