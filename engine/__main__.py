@@ -1,7 +1,8 @@
 """`python -m engine generate | bench | serve | train`: the bundled engine's command line.
 
-Bad input (EngineError, a bad option) prints one line on stderr and exits 2; an unexpected failure prints one line
-and exits 1. `--debug` shows the traceback instead.
+The conventions of `runbook` (specbook/cli.py): bad input or usage prints one line on stderr and exits 2, an
+unexpected failure one line and exits 3, Ctrl-C exits 130; `--debug`, before or after the command name, shows the
+traceback instead.
 """
 from __future__ import annotations
 
@@ -10,15 +11,18 @@ import sys
 
 import click
 
-from engine.cli_options import SEED, FiniteFloatRange, default_device, engine_options, int_list, load_engine
+from engine.cli_options import (EXIT_BAD_INPUT, EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED, SEED, FiniteFloatRange,
+                                debug_option, debug_requested, default_device, engine_options, int_list, load_engine,
+                                with_debug)
 from engine.errors import EngineError
 from engine.train import train_command
 
-EXIT_BAD_INPUT, EXIT_FAILURE = 2, 1
+
+NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2: a group called without a command
 
 
 class Cli(click.Group):
-    """A group that turns every error into one line on stderr and a meaningful exit code."""
+    """A group that turns every error into one line on stderr and the exit code of its kind."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         argv = list(sys.argv[1:] if args is None else args)
@@ -27,45 +31,59 @@ class Cli(click.Group):
         except click.exceptions.Exit as e:  # --help, or a command's ctx.exit(code)
             sys.exit(e.exit_code)
         except click.Abort:
-            click.echo("error: aborted", err=True)
-            sys.exit(130)
-        except click.ClickException as e:  # bad or missing options: UsageError and friends, exit code 2
-            click.echo(f"error: {e.format_message()} (see --help)", err=True)
-            sys.exit(e.exit_code)
-        except EngineError as e:
-            if "--debug" in argv:
-                raise
-            click.echo(f"error: {e}", err=True)
+            click.echo("interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        except click.ClickException as e:  # usage: one line, exit 2 (not click's three-line block)
+            if isinstance(e, NO_ARGS):  # no command given: the help, on stderr as click shows it
+                e.show()
+            else:
+                click.echo(f"error: {e.format_message()} (see --help)", err=True)
             sys.exit(EXIT_BAD_INPUT)
-        except Exception as e:
-            if "--debug" in argv:
-                raise
-            first = (str(e).strip().splitlines() or [""])[0]  # CUDA errors span many lines
-            click.echo(f"error: {type(e).__name__}: {first} (internal failure; rerun with --debug for the traceback)",
-                       err=True)
-            sys.exit(EXIT_FAILURE)
         sys.exit(rc if isinstance(rc, int) else 0)
 
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except EngineError as e:
+            _fail(ctx, str(e), EXIT_BAD_INPUT)
+        except KeyboardInterrupt:
+            _fail(ctx, None, EXIT_INTERRUPTED)
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0]  # CUDA errors span many lines
+            _fail(ctx, f"{type(e).__name__}: {first} (internal failure; rerun with --debug for the traceback)",
+                  EXIT_INTERNAL)
 
-@click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        super().add_command(with_debug(cmd), name)
+
+
+def _fail(ctx: click.Context, message: str | None, code: int) -> None:
+    """One line on stderr and exit `code`; with --debug the exception propagates with its traceback."""
+    if debug_requested(ctx):
+        raise
+    click.echo("interrupted" if message is None else f"error: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group(cls=Cli, epilog=EXIT_CODES, params=[debug_option()],
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 def cli() -> None:
     """The bundled speculative-decoding engine: a target model (HF-format directory or a named random-weight
-    shape), optionally an EAGLE-3 drafter, a static KV cache and CUDA-graph decoding.
-
-    Exit codes: 0 ok, 2 bad input (one line on stderr), 1 internal failure. Add --debug for tracebacks."""
+    shape), optionally an EAGLE-3 drafter, a static KV cache and CUDA-graph decoding."""
 
 
-# options shared by generate and bench: what to load and how to run it (engine/cli_options.py), plus their own
-model_options = engine_options(
-    None, "KV-cache length: prompt + new tokens must fit [default: generate 2048; bench: what the run needs, rounded "
-          "up to 128 - attention reads the whole cache].",
-    extra=[click.option("--seed", default=0, show_default=True, type=SEED,
-                        help="Seed of random weights (--shape) and of sampling."),
-           click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")])
+def model_options(max_seq_len_help: str, seed_help: str, compile_help: str = ""):
+    """What to load and how to run it (engine/cli_options.py), plus --seed and --json, with this command's help."""
+    return engine_options(None, max_seq_len_help, compile_help=compile_help, extra=[
+        click.option("--seed", default=0, show_default=True, type=SEED, help=seed_help),
+        click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")])
 
 
 @cli.command()
-@model_options
+@model_options("KV-cache length: prompt + new tokens must fit [default: 2048].",
+               "Seed of random weights (--shape) and of sampling.")
 @click.option("--prompt", default=None, help="Prompt text (UTF-8 bytes as ids for shapes without a tokenizer).")
 @click.option("--prompt-ids", default=None, callback=int_list(0), help="Prompt token ids, e.g. '1,2,3'.")
 @click.option("--max-new-tokens", default=64, show_default=True, type=click.IntRange(min=1))
@@ -74,8 +92,7 @@ model_options = engine_options(
 @click.option("--top-p", default=1.0, show_default=True, type=FiniteFloatRange(0, 1, min_open=True),
               help="1 = off.")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the model's end-of-sequence ids.")
-def generate(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, ignore_eos, as_json, debug,
-             **load) -> None:
+def generate(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, ignore_eos, as_json, **load) -> None:
     """Generate from a prompt; prints the text, the token ids, tok/s and ms per token."""
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids IDS")
@@ -95,7 +112,9 @@ def generate(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, igno
 
 
 @cli.command()
-@model_options
+@model_options("KV-cache length: prompt + new tokens must fit [default: what the run needs, rounded up to 128 - "
+               "attention reads the whole cache].", "Seed of random weights (--shape) and of the random prompt.",
+               compile_help="; adds a 'compiled' baseline row")
 @click.option("--prompt-len", default=None, type=click.IntRange(min=1),
               help="Prompt tokens [default: 128 on cuda, 16 on cpu].")
 @click.option("--new-tokens", default=None, type=click.IntRange(min=1),
@@ -107,23 +126,25 @@ def generate(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, igno
 @click.option("--eager/--no-eager", default=True, show_default=True, help="Also time decoding without graphs.")
 @click.option("--peer/--no-peer", default=True, show_default=True,
               help="Also time transformers' generate (static cache) on the same weights.")
-@click.option("--profile", is_flag=True, help="Also print a kernel-level profile of eager decode steps.")
-def bench(prompt_len, new_tokens, repeats, sizes, eager, peer, profile, as_json, debug, **load) -> None:
+@click.option("--torch-profile", is_flag=True,
+              help="Also print torch.profiler's kernel-level table of the fastest variant's decode steps.")
+def bench(prompt_len, new_tokens, repeats, sizes, eager, peer, torch_profile, as_json, **load) -> None:
     """Decode tok/s and ms/token (graph and eager), bandwidth utilisation against the copy bandwidth measured in
     the same run, forward cost per T, and transformers' static-cache generate as the peer."""
-    from engine.bench import BenchConfig, format_table, run_bench
+    from engine.bench import BenchConfig, format_bench, run_bench
 
     # --compile adds a "compiled" baseline row; the target-alone engine stays plain so "graph" is the uncompiled
     # step, and a speculative one is compiled (its row then compares with "compiled")
     import torch
 
     cfg = BenchConfig(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, sizes=tuple(sizes),
-                      eager=eager, peer=peer, compile=load.pop("compile_"), seed=load["seed"], profile=profile)
+                      eager=eager, peer=peer, compile=load.pop("compile_"), seed=load["seed"],
+                      torch_profile=torch_profile)
     cfg = cfg.resolve(torch.device(default_device(load["device"])))
     eng = load_engine(**{**load, "max_seq_len": load["max_seq_len"] or cfg.cache_len()},
                       compile_=cfg.compile and load["drafter"] is not None)
     r = run_bench(eng, cfg)
-    click.echo(json.dumps(r.to_dict()) if as_json else format_table(r))
+    click.echo(json.dumps(r.to_dict()) if as_json else format_bench(r))
 
 
 # ---- commands owned by other modules ------------------------------------------------------------------------

@@ -33,7 +33,7 @@ class BenchConfig:
     peer: bool = True  # also time transformers' generate (static cache)
     compile: bool = False  # also time the decode with its forward through torch.compile, inside our graph
     seed: int = 0
-    profile: bool = False  # also profile the fastest decode step: where its time goes, kernel by kernel
+    torch_profile: bool = False  # also run torch.profiler on the fastest decode step: its time, kernel by kernel
 
     def resolve(self, device: torch.device) -> "BenchConfig":
         cuda = device.type == "cuda"
@@ -72,7 +72,7 @@ class BenchResult:
     gemv_ms: float | None = None  # every linear layer's weight times one token, nothing else (dense models)
     peer_tok_s: float | None = None  # transformers generate, static cache, greedy
     spec: dict | None = None  # speculative settings when a drafter was given
-    profile: str | None = None  # torch.profiler table of the profiled decode steps
+    profile_table: str | None = None  # torch.profiler table of the profiled decode steps
     errors: dict[str, str] = field(default_factory=dict)  # optional measurements that failed: name -> why
     step_ms: dict[str, float] | None = None  # kernel time per profiled step: matrix, attention, other; kernel count
     profiled: str | None = None  # which decode variant was profiled ("compiled", "graph", or "eager" on CPU)
@@ -99,7 +99,7 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * nbytes / s / 1e9
 
 
-def prompt_ids(vocab: int, n: int, seed: int) -> list[int]:
+def random_prompt(vocab: int, n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
@@ -227,7 +227,7 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
     res = BenchResult(model=eng.name, device=str(device), dtype=str(model.dtype).removeprefix("torch."),
                       graphs=graphs, prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens, max_seq_len=eng.max_seq_len,
                       weight_bytes=model.weight_bytes(), copy_gb_s=copy_bandwidth(device))
-    prompt = prompt_ids(model.cfg.vocab_size, cfg.prompt_len, cfg.seed)
+    prompt = random_prompt(model.cfg.vocab_size, cfg.prompt_len, cfg.seed)
     stat = lambda dec: decode_stat(dec, prompt, cfg, res.weight_bytes, res.copy_gb_s)  # noqa: E731
     fastest = TargetDecoder(model, eng.max_seq_len, cuda_graphs=True)
     res.decode["graph"] = stat(fastest)
@@ -248,8 +248,8 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
         shape = eng.decoder.shape
         res.spec = {"steps": shape.steps, "topk": shape.topk, "draft_tokens": shape.draft_tokens,
                     "eager_verify": eng.decoder.eager_verify}
-    if cfg.profile:
-        res.profile, res.step_ms = profile_decode(fastest, prompt)
+    if cfg.torch_profile:
+        res.profile_table, res.step_ms = profile_decode(fastest, prompt)
         res.profiled = ("compiled" if fastest.compile else "graph") if graphs else "eager"
     if cfg.peer:
         res.peer_tok_s = attempt(res, "transformers static",
@@ -257,7 +257,7 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
     return res
 
 
-def format_table(r: BenchResult) -> str:
+def format_bench(r: BenchResult) -> str:
     gb = r.weight_bytes / 1e9
     lines = [f"{r.model} on {r.device} ({r.dtype}), prompt {r.prompt_len}, {r.new_tokens} new tokens, cache "
              f"{r.max_seq_len}, weights read per token {gb:.3f} GB, copy bandwidth {r.copy_gb_s:.1f} GB/s",
@@ -286,5 +286,5 @@ def format_table(r: BenchResult) -> str:
         m = r.step_ms
         lines += ["", f"{r.profiled} step, kernel time: matrix {m['matrix']:.3f} ms, attention {m['attention']:.3f} ms, "
                       f"other {m['other']:.3f} ms ({m['kernels']:.0f} {'kernels' if r.graphs else 'ops'} per step)",
-                  r.profile]
+                  r.profile_table]
     return "\n".join(lines)

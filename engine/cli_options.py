@@ -31,6 +31,47 @@ class FiniteFloatRange(click.FloatRange):
 # torch.manual_seed's range (64 bits), as engine.loading.SEEDS for the Python API (torch is not imported here)
 SEED = click.IntRange(-2**63, 2**64 - 1)
 
+# Exit codes: the same meanings as `runbook`'s (specbook/cli.py); tests/test_cli_conventions.py holds them together
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_CODES = """\b
+Exit codes (the same meanings as runbook's):
+  0    ok
+  1    a check failed (no engine command checks anything; runbook: drifted or flaky numbers)
+  2    bad input or usage: one line on stderr
+  3    internal failure, could not run: one line on stderr (--debug shows the traceback)
+  130  interrupted (Ctrl-C)"""
+
+DEBUG = "engine.debug"  # key in click's context meta, shared by a group and its subcommands
+
+
+def _note_debug(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    if value:
+        ctx.meta[DEBUG] = True
+    return value
+
+
+DEBUG_ATTRS: dict[str, Any] = {"is_flag": True, "expose_value": False, "callback": _note_debug,
+                                "help": "Show tracebacks (before or after the command name)."}
+
+
+def debug_option() -> click.Option:
+    """--debug, accepted before and after the command name: it only marks the shared context."""
+    return click.Option(["--debug"], **DEBUG_ATTRS)
+
+
+def with_debug(cmd: click.Command) -> click.Command:
+    """Add --debug to a command and, for a group, to each of its subcommands."""
+    if not any(p.name == "debug" for p in cmd.params):
+        cmd.params.append(debug_option())
+    for sub in getattr(cmd, "commands", {}).values():
+        with_debug(sub)
+    return cmd
+
+
+def debug_requested(ctx: click.Context | None = None) -> bool:
+    ctx = ctx or click.get_current_context(silent=True)
+    return bool(ctx and ctx.meta.get(DEBUG))
+
 
 def int_list(minimum: int) -> Callable[[click.Context, click.Parameter, str | None], list[int] | None]:
     """A click callback: '1,2,4' or '1 2 4' -> [1, 2, 4], every number >= minimum."""
@@ -49,9 +90,11 @@ def int_list(minimum: int) -> Callable[[click.Context, click.Parameter, str | No
 
 
 def engine_options(max_seq_len: int | None, max_seq_len_help: str,
-                   extra: Sequence[Callable[[Callable], Callable]] = ()) -> Callable[[Callable], Callable]:
+                   extra: Sequence[Callable[[Callable], Callable]] = (),
+                   compile_help: str = "") -> Callable[[Callable], Callable]:
     """A decorator adding what to load and how to run it. `max_seq_len` is the command's --max-seq-len default (None:
-    the command decides); `extra` are the command's own options, listed before --debug."""
+    the command decides); `extra` are the command's own options, listed before --debug; `compile_help` ends
+    --compile's help for this command."""
     options = [
         click.option("--target", type=click.Path(), default=None,
                      help="HF-format model directory (config.json, *.safetensors, tokenizer.json)."),
@@ -76,9 +119,9 @@ def engine_options(max_seq_len: int | None, max_seq_len_help: str,
                                                           "path of the game plan, for comparison)."),
         click.option("--compile", "compile_", is_flag=True,
                      help="torch.compile inside the CUDA graphs (fuses small ops): the decode step's forward, or with "
-                          "--drafter the draft steps and verify; bench: adds a 'compiled' baseline row."),
+                          "--drafter the draft steps and verify" + compile_help + "."),
         *extra,
-        click.option("--debug", is_flag=True, help="Show tracebacks."),
+        click.option("--debug", **DEBUG_ATTRS),
     ]
 
     def decorate(f: Callable) -> Callable:

@@ -28,7 +28,7 @@ class Chunk:
     finish_reason: str | None  # None until the last chunk: "stop" | "length"
 
 
-def load_tokenizer(path: Path):
+def find_tokenizer(path: Path):
     read_chat_template(path)  # tokenizer_config.json and the chat template are checked with the tokenizer
     f = path / "tokenizer.json"
     if not f.is_file():
@@ -68,7 +68,7 @@ class Engine:
             raise EngineError(f"max_seq_len must be at least 2, got {max_seq_len}")
         dev, dt = resolve_device(device), resolve_dtype(dtype)
         if target is not None:
-            model, tokenizer, name = load_model(target, dev, dt), load_tokenizer(Path(target)), str(target)
+            model, tokenizer, name = load_model(target, dev, dt), find_tokenizer(Path(target)), str(target)
         else:
             model, tokenizer, name = random_model(shape, dev, dt, seed=seed), None, shape
         check_cache_fits(model, max_seq_len)

@@ -22,9 +22,9 @@
 # depends: []
 # profiles:
 #   cpu: {shapes: [small, tiny], device: cpu, dtype: float32, prompt_len: 16, new_tokens: 32, repeats: 3,
-#         threads: 1, profile: true, rel_tol: 0.15}
+#         threads: 1, torch_profile: true, rel_tol: 0.15}
 #   h200: {shapes: [llama-3.1-8b, llama-3.2-1b], device: cuda, dtype: bfloat16, prompt_len: 128, new_tokens: 256,
-#          repeats: 3, sizes: [1, 2, 4, 8, 16, 32, 64], torch_compile: true, profile: true, rel_tol: 0.1}
+#          repeats: 3, sizes: [1, 2, 4, 8, 16, 32, 64], torch_compile: true, torch_profile: true, rel_tol: 0.1}
 # timeout: 3600
 # cell_timeout: 2400
 # ```
@@ -39,7 +39,7 @@ repeats = 3  # timed generations per variant; the median is recorded
 sizes = [1, 2, 4, 8]  # token counts T of the forward-cost sweep (must include 1 and 8)
 peer = True  # also time transformers' generate on the same weights
 torch_compile = False  # also time the decode step compiled by torch.compile inside our CUDA graph
-profile = False  # print a kernel-level profile of the fastest decode step (where the step's time goes)
+torch_profile = False  # print torch.profiler's kernel-level table of the fastest decode step
 max_seq_len = 0  # KV-cache length; 0: what the run needs (attention reads the whole static cache every step)
 threads = 0  # CPU intra-op threads (0: torch's default); on shared cores more threads only contend
 rel_tol = 0.15  # floor of the timings' relative tolerance (specbook.record derives it from the samples)
@@ -49,7 +49,7 @@ import gc
 
 import torch
 
-from engine.bench import BenchConfig, format_table, run_bench
+from engine.bench import BenchConfig, format_bench, run_bench
 from engine.runtime import Engine
 from specbook import record
 
@@ -58,10 +58,10 @@ if threads:
 results = {}
 for shape in shapes:
     cfg = BenchConfig(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, sizes=tuple(sizes), peer=peer,
-                      compile=torch_compile, profile=profile)
+                      compile=torch_compile, torch_profile=torch_profile)
     eng = Engine.load(shape=shape, device=device, dtype=dtype, max_seq_len=max_seq_len or cfg.cache_len())
     results[shape] = run_bench(eng, cfg)
-    print(format_table(results[shape]), end="\n\n")
+    print(format_bench(results[shape]), end="\n\n")
     del eng  # free the weights and graphs before the next shape
     gc.collect()
     if device.startswith("cuda"):
@@ -94,7 +94,7 @@ plt.show()
 #
 # The matrix-vector floor is every weight matrix times one token and nothing else, back to back in one graph: what a
 # decode step would cost if attention, norms, RoPE, cache writes and sampling were free. The gap between it and the
-# graph step is what fusion (the compiled variant) and better kernels can still win; with `profile` the fastest
+# graph step is what fusion (the compiled variant) and better kernels can still win; with `torch_profile` the fastest
 # step (the compiled graph where it was measured) is profiled replay by replay and its kernel time split by kind:
 # matrix (the GEMVs), attention (the split-KV kernel of engine.decode_attention on CUDA) and everything else.
 

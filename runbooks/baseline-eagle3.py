@@ -72,7 +72,7 @@ from engine.metrics import breakeven, exact_match, projected_speedup, projected_
 from engine.speculate import SpecDecoder
 from engine.target_decoder import TargetDecoder
 from engine.timing import cycle_stats
-from engine.train.drafter import prompt_ids
+from engine.train.drafter import held_out_prompts
 from engine.train.layout import DrafterOutputs, TargetOutputs
 from engine.train.tokenizer import load_tokenizer
 from specbook import record
@@ -87,7 +87,7 @@ target_dir = Path(target or TargetOutputs(upstream["train-target"]).target_a)
 drafter_dir = Path(drafter or DrafterOutputs(upstream["train-drafter"]).drafter_a)
 tgt = load_model(target_dir, dev, dt)
 dft = load_drafter(drafter_dir, tgt, dev, dt)
-prompts = [p[:prompt_len] for p in prompt_ids(load_tokenizer(target_dir), n_prompts, 8 * prompt_len, "A")]
+prompts = [p[:prompt_len] for p in held_out_prompts(load_tokenizer(target_dir), n_prompts, 8 * prompt_len, "A")]
 print(f"target {target_dir} ({tgt.cfg.num_hidden_layers} layers, hidden {tgt.cfg.hidden_size}, vocab "
       f"{tgt.cfg.vocab_size}), drafter {drafter_dir} (feature layers {dft.aux_layers}) on {dev} {dtype}; "
       f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens")

@@ -69,7 +69,7 @@ import sys
 from pathlib import Path
 
 from engine.backends import BACKENDS, SERVERS, LaunchConfig, SpecSettings, serving
-from engine.backends.client import benchmark, format_table
+from engine.backends.client import benchmark, format_summary
 from specbook import record
 
 if backend not in BACKENDS:
@@ -97,7 +97,7 @@ def measure(with_drafter: bool):
             # Some servers put meta_info only in non-streamed answers: ask again without streaming.
             again = benchmark(url, stream=False, **run)
             summary.accept_length, summary.accept_source = again.accept_length, again.accept_source
-    print(format_table(summary))
+    print(format_summary(summary))
     if summary.failed or summary.decode_tok_s is None:
         raise RuntimeError(f"{summary.failed} of {summary.requests} requests failed or streamed no tokens: "
                            f"{summary.errors}")

@@ -46,7 +46,7 @@ import statistics
 import torch
 
 from engine import deepseek
-from engine.bench import BenchConfig, format_table, prompt_ids, run_bench
+from engine.bench import BenchConfig, format_bench, random_prompt, run_bench
 from engine.drafter import new_drafter
 from engine.runtime import Engine
 from engine.shapes import shape_config
@@ -59,7 +59,7 @@ if not model.cfg.is_mla:
     raise ValueError(f"shape {shape!r} is not a DeepSeek-V3-family shape")
 r = run_bench(eng, BenchConfig(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, sizes=(1, 8),
                                peer=False))
-print(format_table(r))
+print(format_bench(r))
 
 # %% [markdown]
 # ## EAGLE-3 cycle against a decode step
@@ -69,7 +69,7 @@ print(format_table(r))
 # launch of the MoE target again, as the game plan's server did.
 
 # %%
-prompt = prompt_ids(model.cfg.vocab_size, prompt_len, 0)
+prompt = random_prompt(model.cfg.vocab_size, prompt_len, 0)
 drafter = new_drafter(model.cfg, torch.arange(min(32000, model.cfg.vocab_size)), embedding=model.embed_tokens,
                       device=device, dtype=dtype)
 

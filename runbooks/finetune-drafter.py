@@ -140,7 +140,7 @@ if not at_scale:  # the miniature pair, in this process
 
     from engine.drafter import load_drafter
     from engine.loading import load_model
-    from engine.train.drafter import accept_length, check_pair, prompt_ids, train_drafter
+    from engine.train.drafter import accept_length, check_pair, held_out_prompts, train_drafter
     from engine.train.layout import DrafterOutputs, TargetOutputs
     from engine.train.presets import get_preset, with_overrides
     from engine.train.tokenizer import load_tokenizer
@@ -155,7 +155,7 @@ if not at_scale:  # the miniature pair, in this process
     dir_b = Path(target or TargetOutputs(upstream["train-target"]).target_b)
     dir_d = Path(drafter or DrafterOutputs(upstream["train-drafter"]).drafter_a)
     check_pair(dir_b, dir_d)
-    prompts = prompt_ids(load_tokenizer(dir_b), eval_prompts or p.eval_prompts, p.prompt_chars, "B")
+    prompts = held_out_prompts(load_tokenizer(dir_b), eval_prompts or p.eval_prompts, p.prompt_chars, "B")
     new_tokens = max_new_tokens or p.max_new_tokens
 
     def measure(draft, model) -> dict[str, float]:

@@ -132,7 +132,7 @@ if not at_scale:  # the miniature pair, in this process
 
     from engine.drafter import load_drafter
     from engine.loading import load_model
-    from engine.train.drafter import accept_length, check_pair, prompt_ids
+    from engine.train.drafter import accept_length, check_pair, held_out_prompts
     from engine.train.layout import DrafterOutputs, TargetOutputs
     from engine.train.presets import get_preset
     from engine.train.tokenizer import load_tokenizer
@@ -148,7 +148,7 @@ if not at_scale:  # the miniature pair, in this process
         check_pair(d, dir_d)
     model_a = load_model(dir_a, device=device, dtype=p.dtype)
     model_b = load_model(dir_b, device=device, dtype=p.dtype)
-    prompts = prompt_ids(load_tokenizer(dir_a), eval_prompts or p.eval_prompts, p.prompt_chars, mix)
+    prompts = held_out_prompts(load_tokenizer(dir_a), eval_prompts or p.eval_prompts, p.prompt_chars, mix)
 
 # %% [markdown]
 # ## Hidden states, layer by layer

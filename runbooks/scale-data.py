@@ -153,7 +153,7 @@ if not at_scale:  # the miniature pair, in this process
 
     from engine.drafter import load_drafter
     from engine.loading import load_model
-    from engine.train.drafter import accept_length, check_pair, prompt_ids, train_drafter
+    from engine.train.drafter import accept_length, check_pair, held_out_prompts, train_drafter
     from engine.train.layout import TargetOutputs
     from engine.train.presets import get_preset, with_overrides
     from engine.train.tokenizer import load_tokenizer
@@ -165,7 +165,7 @@ if not at_scale:  # the miniature pair, in this process
     p = get_preset(preset)
     run = with_overrides(p.drafter, steps=steps, mix="B")
     dir_b = Path(target or TargetOutputs(upstream["train-target"]).target_b)
-    prompts = prompt_ids(load_tokenizer(dir_b), eval_prompts or p.eval_prompts, p.prompt_chars, "B")
+    prompts = held_out_prompts(load_tokenizer(dir_b), eval_prompts or p.eval_prompts, p.prompt_chars, "B")
     model_b = load_model(dir_b, device=device, dtype=p.dtype)
 
 # %%

@@ -50,7 +50,7 @@ import torch
 
 from engine.drafter import load_drafter
 from engine.loading import load_model
-from engine.train.drafter import accept_length, check_pair, prompt_ids, train_drafter
+from engine.train.drafter import accept_length, check_pair, held_out_prompts, train_drafter
 from engine.train.layout import DrafterOutputs, TargetOutputs
 from engine.train.presets import get_preset, with_overrides
 from engine.train.tokenizer import load_tokenizer
@@ -94,7 +94,7 @@ if res is not None:
 tok = load_tokenizer(target_dir)
 model = load_model(target_dir, device=device, dtype=p.dtype)
 draft = load_drafter(drafter_dir, model)
-prompts = prompt_ids(tok, eval_prompts or p.eval_prompts, p.prompt_chars, "A")
+prompts = held_out_prompts(tok, eval_prompts or p.eval_prompts, p.prompt_chars, "A")
 tau = accept_length(model, draft, prompts, chain_steps, max_new_tokens or p.max_new_tokens)
 print(f"accept length {tau:.3f} (chain of {chain_steps}, greedy, {len(prompts)} prompts)")
 

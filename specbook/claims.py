@@ -95,7 +95,7 @@ class DocsError(SpecbookError):
 # ---------------------------------------------------------------------------------------------- records
 
 
-def _record(root: Path, runbook: str, cache: dict) -> dict | None:
+def _load_record(root: Path, runbook: str, cache: dict) -> dict | None:
     """The parsed baselines/RUNBOOK.yaml (validated by specbook.records), or None when there is none."""
     if runbook not in cache:
         path = records.path_for(Path(root), runbook)
@@ -105,7 +105,7 @@ def _record(root: Path, runbook: str, cache: dict) -> dict | None:
 
 def find_metric(root: Path, runbook: str, profile: str, metric: str, cache: dict | None = None) -> dict | None:
     """The metric entry of a record (value, unit, samples, ...) or None."""
-    data = _record(root, runbook, {} if cache is None else cache) or {}
+    data = _load_record(root, runbook, {} if cache is None else cache) or {}
     return (data["profiles"].get(profile) or {}).get("metrics", {}).get(metric) if data else None
 
 

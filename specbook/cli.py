@@ -18,6 +18,9 @@ from specbook.runbooks import check_name, check_profile, discover, find_root, lo
 from specbook.verify import (FAILED, FAILING, INVALID, STALE, STATES, Verdict, age, drift, exit_code, status,
                              verify)
 
+# Exit codes: the same meanings as `python -m engine`'s (engine/cli_options.py); tests/test_cli_conventions.py holds
+# them together
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_CODES = """\b
 States of a recorded number (the same words everywhere):
   fresh     re-measured here within tolerance
@@ -31,28 +34,67 @@ States of a recorded number (the same words everywhere):
   stale     not re-measured; its inputs changed since it was recorded
   reported  measured by hand elsewhere, never re-run
 \b
-Exit codes:
-  0  ok: nothing drifted, flaky or failed (`status`: nothing stale)
-  1  drifted or flaky numbers, or docs that disagree with the records (verify --docs);
-     `status`: something is stale
-  2  bad input: unknown runbook, profile or parameter, malformed header or record;
-     `list`, `status`, `context`: a malformed record file (named on stderr; the others are still shown)
-  3  could not run: a runbook failed, timed out, or cannot run on this machine's profile
+Exit codes (the same meanings as python -m engine's):
+  0    ok: nothing drifted, flaky or failed (`status`: nothing stale)
+  1    a check failed: drifted or flaky numbers, docs that disagree with the records
+       (verify --docs), `status`: something is stale, `site --check`: a generated file is out of date
+  2    bad input or usage: unknown runbook, profile, option or parameter, malformed header or
+       record; one line on stderr (`list`, `status`, `context`: a malformed record file, named
+       on stderr; the others are still shown)
+  3    internal failure, could not run: a runbook failed, timed out, or cannot run on this
+       machine's profile; one line on stderr (--debug shows the traceback)
   130  interrupted (Ctrl-C)"""
+
+DEBUG = "specbook.debug"  # key in click's context meta, shared by the group and its subcommands
 
 
 @dataclass
 class Ctx:
     root_opt: str | None
-    debug: bool
 
     @property
     def root(self) -> Path:
         return find_root(self.root_opt)
 
 
+def _note_debug(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    if value:
+        ctx.meta[DEBUG] = True
+    return value
+
+
+def debug_option() -> click.Option:
+    """--debug, accepted before and after the command name: it only marks the shared context."""
+    return click.Option(["--debug"], is_flag=True, expose_value=False, callback=_note_debug,
+                        help="Show tracebacks (before or after the command name).")
+
+
+def _debug(ctx: click.Context) -> bool:
+    return bool(ctx.meta.get(DEBUG) or os.environ.get("SPECBOOK_DEBUG"))
+
+
+NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2: a group called without a command
+
+
 class Group(click.Group):
     """Bad input and failed runs are one line on stderr and an exit code; --debug shows the traceback."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        try:
+            rc = super().main(args, prog_name or "runbook", complete_var, standalone_mode=False, **extra)
+        except click.exceptions.Exit as e:
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        except click.ClickException as e:  # usage: one line, exit 2 (not click's three-line block)
+            if isinstance(e, NO_ARGS):  # no command given: the help, on stderr as click shows it
+                e.show()
+            else:
+                click.echo(f"error: {e.format_message()} (see --help)", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+        sys.exit(rc if isinstance(rc, int) else EXIT_OK)  # --help, or a command's ctx.exit(code)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -62,16 +104,22 @@ class Group(click.Group):
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
         except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT, no traceback from the kernel
-            if (ctx.obj and ctx.obj.debug) or os.environ.get("SPECBOOK_DEBUG"):
+            if _debug(ctx):
                 raise
             click.echo("interrupted", err=True)
-            ctx.exit(130)
+            ctx.exit(EXIT_INTERRUPTED)
         except Exception as e:  # a bug or an environment problem: still one line unless --debug
-            self._fail(ctx, f"{type(e).__name__}: {e} (rerun with --debug for the traceback)", 3)
+            first = (str(e).strip().splitlines() or [""])[0]
+            self._fail(ctx, f"{type(e).__name__}: {first} (rerun with --debug for the traceback)", EXIT_INTERNAL)
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        if not any(p.name == "debug" for p in cmd.params):
+            cmd.params.append(debug_option())
+        super().add_command(cmd, name)
 
     @staticmethod
     def _fail(ctx: click.Context, message: str, code: int) -> None:
-        if (ctx.obj and ctx.obj.debug) or os.environ.get("SPECBOOK_DEBUG"):
+        if _debug(ctx):
             raise
         click.echo(f"error: {message}", err=True)
         ctx.exit(code)
@@ -80,11 +128,12 @@ class Group(click.Group):
 @click.group(cls=Group, epilog=EXIT_CODES, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--root", type=click.Path(file_okay=False), help="Repository root (default: $SPECBOOK_ROOT or the "
               "nearest parent directory with runbooks/).")
-@click.option("--debug", is_flag=True, help="Show tracebacks.")
+@click.option("--debug", is_flag=True, expose_value=False, callback=_note_debug,
+              help="Show tracebacks (before or after the command name).")
 @click.pass_context
-def main(ctx: click.Context, root: str | None, debug: bool) -> None:
+def main(ctx: click.Context, root: str | None) -> None:
     """Runbooks, recorded baselines and their verification."""
-    ctx.obj = Ctx(root, debug)
+    ctx.obj = Ctx(root)
 
 
 def _log(msg: str) -> None:
@@ -438,13 +487,18 @@ def env(obj: Ctx, as_json: bool) -> None:
 
 @main.command()
 @click.option("--budget", type=click.IntRange(min=1), default=2000, show_default=True, metavar="TOKENS",
-              help="Most tokens the pack may take (estimated at 4 characters a token).")
+              help="Most tokens the pack may take (estimated at 4 characters a token; not with --json).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable and whole: every number and every docs claim "
+              "with its state, the decisions, docs problems and next steps.")
 @click.pass_obj
-def context(obj: Ctx, budget: int) -> None:
+def context(obj: Ctx, budget: int, as_json: bool) -> None:
     """A compact context pack for agents: numbers with verdicts, open decisions, next steps."""
-    from specbook.context import build_context
+    from specbook.context import build_context, context_data
 
-    click.echo(build_context(obj.root, budget), nl=False)
+    if as_json:
+        _emit(True, context_data(obj.root), "")
+    else:
+        click.echo(build_context(obj.root, budget), nl=False)
     _exit_if_invalid(records.broken(obj.root))
 
 

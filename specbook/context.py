@@ -7,8 +7,9 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from specbook import SpecbookError, claims, runbooks, site
+from specbook import SpecbookError, claims, runbooks, site, verify
 
 CHARS_PER_TOKEN = 4  # a rough, conservative estimate for English and numbers
 
@@ -63,7 +64,7 @@ def _sections_of(text: str, level: str) -> list[tuple[str, str]]:
     return list(zip(parts[1::2], parts[2::2]))
 
 
-def _plain(text: str) -> str:
+def _plain_text(text: str) -> str:
     text = re.sub(r"<!--\s*(?:claim|cite):[^>]*-->|<!--\s*/(?:claim|cite)\s*-->", "", text)
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text)
     return " ".join(text.replace("**", "").split())
@@ -71,43 +72,78 @@ def _plain(text: str) -> str:
 
 def _field(body: str, name: str) -> str:
     m = re.search(rf"^- \*\*{name}:\*\*(.*?)(?=^- \*\*|^#|\Z)", body, flags=re.M | re.S)
-    return _plain(m.group(1)) if m else ""
+    return _plain_text(m.group(1)) if m else ""
 
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
-def decision_lines(root: Path) -> list[str]:
-    """Open decisions from docs/decisions.md, with date, decision and the first sentence of why they are open (the
-    rest is in the file: a decision must fit its share of a small budget); then a count of the rest."""
+def decisions(root: Path) -> list[dict[str, str]]:
+    """Every decision of docs/decisions.md: title, status, date, decision, why it is open (plain text)."""
     path = Path(root) / "docs" / "decisions.md"
     if not path.is_file():
         return []
+    return [{"title": heading, "status": _field(body, "Status") or "unknown", "date": _field(body, "Date"),
+             "decision": _field(body, "Decision"), "why_open": _field(body, "Why it is open")}
+            for heading, body in _sections_of(path.read_text(), "##")]
+
+
+def decision_lines(root: Path) -> list[str]:
+    """Open decisions from docs/decisions.md, with date, decision and the first sentence of why they are open (the
+    rest is in the file: a decision must fit its share of a small budget); then a count of the rest."""
     lines, closed = [], []
-    for heading, body in _sections_of(path.read_text(), "##"):
-        status = _field(body, "Status") or "unknown"
-        if status != "open":
-            closed.append(f"{heading.split(':')[0]} {status}")
+    for d in decisions(root):
+        if d["status"] != "open":
+            closed.append(f"{d['title'].split(':')[0]} {d['status']}")
             continue
-        why = _SENTENCE_END.split(_field(body, "Why it is open"), maxsplit=1)[0]
-        lines.append(f"- {heading} [open, {_field(body, 'Date')}]: {_field(body, 'Decision')} Open because: {why}")
+        why = _SENTENCE_END.split(d["why_open"], maxsplit=1)[0]
+        lines.append(f"- {d['title']} [open, {d['date']}]: {d['decision']} Open because: {why}")
     if closed:
         lines.append(f"- Closed: {', '.join(closed)} (docs/decisions.md)")
     return lines
 
 
-def next_step_lines(root: Path) -> list[str]:
+def next_steps(root: Path) -> list[str]:
+    """The items of the game plan's "Next steps" section, as plain text."""
     path = Path(root) / "docs" / "game-plan.md"
     if not path.is_file():
         return []
     for heading, body in _sections_of(path.read_text(), "##"):
         if heading.strip().lower() == "next steps":
-            return [f"- {_plain(item)}" for item in re.findall(r"^- (.+(?:\n  .+)*)", body, flags=re.M)]
+            return [_plain_text(item) for item in re.findall(r"^- (.+(?:\n  .+)*)", body, flags=re.M)]
     return []
+
+
+def next_step_lines(root: Path) -> list[str]:
+    return [f"- {item}" for item in next_steps(root)]
 
 
 def problem_lines(root: Path) -> list[str]:
     return [f"- {p}" for p in claims.check_docs(root)]
+
+
+def claim_rows(root: Path) -> list[dict[str, Any]]:
+    """Every number the docs and README quote: where, the literal, and its record's state on this machine."""
+    index = verify.index(root)
+    rows = []
+    for path in [*claims.doc_files(root), *claims.extra_files(root)]:
+        rel = path.relative_to(root).as_posix()
+        for c in claims.parse_claims(path.read_text(), rel)[0]:
+            v = index.get(c.key)
+            rows.append({"claim": c.key, "file": rel, "line": c.line, "literal": c.literal,
+                         "state": v.state if v else verify.UNRECORDED, "unit": v.unit if v else None})
+    return rows
+
+
+def context_data(root: Path | str) -> dict[str, Any]:
+    """What the context pack says, whole and machine-readable (no budget): every recorded number with its state, every
+    claim in the docs with its state, the decisions, the docs problems and the next steps."""
+    root = Path(root)
+    numbers = [{"runbook": r.runbook, "profile": r.profile, "metric": r.metric, "value": r.value, "unit": r.unit,
+                "state": r.verdict, "source": r.source, "hardware": r.hardware, "date": r.date, "here": r.here}
+               for r in site.record_rows(root)]
+    return {"numbers": numbers, "claims": claim_rows(root), "decisions": decisions(root),
+            "problems": [str(p) for p in claims.check_docs(root)], "next_steps": next_steps(root)}
 
 
 def build_context(root: Path | str, budget: int = 2000) -> str:

@@ -195,8 +195,8 @@ def execute(root: Path, rb: Runbook, params: dict[str, Any], notebook: Path, pro
     """Run the runbook with `params` injected; the executed notebook is written to `notebook` as it goes."""
     nb = jupytext.read(rb.path, fmt="py:percent")
     notebook.parent.mkdir(parents=True, exist_ok=True)
-    records = notebook.with_suffix(".records.jsonl")
-    records.unlink(missing_ok=True)
+    records_file = notebook.with_suffix(".records.jsonl")
+    records_file.unlink(missing_ok=True)
     start = time.monotonic()
     deadline = start + rb.timeout
 
@@ -213,7 +213,7 @@ def execute(root: Path, rb: Runbook, params: dict[str, Any], notebook: Path, pro
         # the kernel imports this repository's engine first, also where PYTHONPATH names another checkout (a verify
         # runs the recorded commit's tree beside this one)
         path = os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])
-        with _environ({RECORD_FILE_ENV: str(records), "PYTHONPATH": path}), _ipc_kernel() as config, \
+        with _environ({RECORD_FILE_ENV: str(records_file), "PYTHONPATH": path}), _ipc_kernel() as config, \
                 _sigint_noted() as sigint:
             try:
                 papermill.execute_notebook(nb, str(notebook), parameters=params, kernel_name=ensure_kernel(),
@@ -235,7 +235,7 @@ def execute(root: Path, rb: Runbook, params: dict[str, Any], notebook: Path, pro
     except DeadKernelError as e:
         raise RunFailed(f"runbook {rb.name}: the kernel died ({e}) {where}") from None
     try:
-        metrics = read_metrics(records)
+        metrics = read_metrics(records_file)
     except ValueError as e:
         raise RunFailed(f"runbook {rb.name}: {e}") from None
     return Execution(metrics, notebook, time.monotonic() - start)
@@ -336,7 +336,7 @@ def _run_locked(root: Path, t: Target, *, record: bool, force: bool, progress: b
     if missing := [m for m in t.rb.reproduces if m not in {x.name for x in ex.metrics}]:
         raise RunFailed(f"runbook {t.rb.name} declares reproduces {missing} but did not record them "
                         f"(notebook: {notebook})")
-    run_id = _record(root, t, ex) if record and ex.metrics else None
+    run_id = _record_run(root, t, ex) if record and ex.metrics else None
     kept = _publish(notebook, root / (EXECUTED if record else LOCAL_EXECUTED) / f"{t.rb.name}-{t.profile}.ipynb")
     atomic_write(t.outputs_dir / DONE, (json.dumps({"run": run_id, "date": now_iso()}) + "\n").encode())
     shutil.rmtree(work)  # only after success: a failed run's error message points into its directory
@@ -416,17 +416,17 @@ def clean_stale_runs(runs: Path, max_age_s: float = STALE_RUN_S) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _record(root: Path, t: Target, ex: Execution) -> str:
+def _record_run(root: Path, t: Target, ex: Execution) -> str:
     date = now_iso()
-    params = _plain(t.params)
+    params = _plain_data(t.params)
     run = {"id": records.new_run_id(date), "date": date, "source": "measured", "inputs_hash": t.inputs_hash,
            "parameters": params,
-           "provenance": _plain(fingerprint(root, t.rb.hashed_source, params, t.all_inputs()))}
+           "provenance": _plain_data(fingerprint(root, t.rb.hashed_source, params, t.all_inputs()))}
     records.add_run(root, t.rb.name, t.profile, run, ex.metrics)
     return run["id"]
 
 
-def _plain(obj: Any) -> Any:
+def _plain_data(obj: Any) -> Any:
     """Only plain YAML types (no tuples, no str subclasses such as torch's version)."""
     return json.loads(json.dumps(obj, default=str))
 

@@ -125,11 +125,9 @@ def inputs_hash(runbook_source: str, params: dict, engine: str, upstream: dict[s
 
 @functools.lru_cache(maxsize=1)
 def gpus() -> tuple[str, ...]:
-    """Names of the visible CUDA devices; empty without torch or CUDA."""
-    try:
-        import torch
-    except ImportError:
-        return ()
+    """Names of the visible CUDA devices; empty without CUDA (torch is a dependency: a broken install fails here)."""
+    import torch
+
     if not torch.cuda.is_available():
         return ()
     return tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
@@ -220,12 +218,9 @@ def _customize() -> dict[str, dict[str, Any]]:
 
 
 def versions() -> dict[str, str | None]:
-    try:
-        import torch
+    import torch
 
-        torch_v, cuda = torch.__version__, torch.version.cuda
-    except ImportError:
-        torch_v = cuda = None
+    torch_v, cuda = torch.__version__, torch.version.cuda
     return {"python": platform.python_version(), "engine": _version("specbook"), "torch": torch_v,
             "transformers": _version("transformers"), "cuda": cuda, "papermill": _version("papermill")}
 

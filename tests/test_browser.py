@@ -10,7 +10,7 @@ import pytest
 
 from docs_testing import build_site
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.content]  # drives the site built from docs/ and baselines/
 CHROMIUM = Path("/usr/bin/chromium")
 # without the networking flags Chromium keeps trying to reach the outside
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -173,7 +173,7 @@ def test_tokenizer_json_is_used_for_text(tmp_path, model_dir):
     assert_bad_input(run("generate", "--target", str(d), "--prompt", "x"), "tokenizer.json", "unreadable")
 
 
-def test_an_internal_failure_is_one_line_and_exit_1(monkeypatch):
+def test_an_internal_failure_is_one_line_and_exit_3(monkeypatch):
     from engine import runtime
 
     def boom(*a, **k):
@@ -181,7 +181,7 @@ def test_an_internal_failure_is_one_line_and_exit_1(monkeypatch):
 
     monkeypatch.setattr(runtime.Engine, "generate", boom)
     r = run("generate", "--shape", "tiny", "--prompt", "x")
-    assert r.exit_code == 1 and r.stderr.count("\n") == 1 and "RuntimeError: CUDA error" in r.stderr
+    assert r.exit_code == 3 and r.stderr.count("\n") == 1 and "RuntimeError: CUDA error" in r.stderr
     assert "--debug" in r.stderr and "Traceback" not in r.output
 
 

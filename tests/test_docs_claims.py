@@ -75,6 +75,7 @@ def root(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.content
 def test_repository_docs_are_clean():
     assert messages(ROOT) == []
 

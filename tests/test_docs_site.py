@@ -22,6 +22,7 @@ def built(tmp_path_factory) -> tuple[Path, dict[str, float]]:
     return out, build_site(out)
 
 
+@pytest.mark.content
 def test_dashboard_shows_every_record(built):
     site_dir, values = built
     page = (site_dir / "dashboard" / "index.html").read_text()
@@ -34,12 +35,14 @@ def test_dashboard_shows_every_record(built):
         assert (site_dir / "dashboard" / svg).read_text().lstrip().startswith("<?xml")
 
 
+@pytest.mark.content
 def test_reported_numbers_carry_an_admonition(built):
     page = (built[0] / "findings" / "index.html").read_text()
     assert 'class="admonition info"' in page and "Some numbers here are reported" in page
     assert '<span class="claim" title="baseline-k25-sglang/8x-rtx-pro-6000/baseline_tok_s' in page
 
 
+@pytest.mark.content
 def test_llms_txt_lists_every_page(built):
     index = (built[0] / "llms.txt").read_text()
     full = (built[0] / "llms-full.txt").read_text()
@@ -48,6 +51,7 @@ def test_llms_txt_lists_every_page(built):
     assert "Abandon the CUDA-graph verify path" in full and "# Status of every documented number" in full
 
 
+@pytest.mark.content
 def test_generated_files_are_committed_and_up_to_date():
     """docs/status.md and the llms files are read where they lie (GitHub, an agent's checkout): CI keeps them true."""
     assert site.out_of_date(ROOT) == [], "run `runbook site` and commit"
@@ -67,6 +71,7 @@ def test_dashboard_history_plot(tmp_path):
     assert list(plots) == ["dashboard/bench-cpu.svg"] and "<svg" in plots["dashboard/bench-cpu.svg"]
 
 
+@pytest.mark.content
 def test_context_fits_budget_and_has_the_essentials():
     full = build_context(ROOT, budget=4000)
     assert "baseline-k25-sglang @ 8x-rtx-pro-6000 [reported]" in full and "baseline_tok_s 82.5 tok/s" in full
@@ -79,6 +84,7 @@ def test_context_fits_budget_and_has_the_essentials():
     assert "more:" in build_context(ROOT, budget=200) or "left out" in build_context(ROOT, budget=200)
 
 
+@pytest.mark.content
 def test_context_command():
     runner = CliRunner()
     r = runner.invoke(main, ["--root", str(ROOT), "context", "--budget", "300"])
@@ -87,6 +93,7 @@ def test_context_command():
     assert r.exit_code == 2 and "too small" in r.stderr
 
 
+@pytest.mark.content
 def test_site_builds_without_executed_notebooks(tmp_path):
     """A fresh checkout has no executed notebooks yet (the folder may be missing or empty)."""
     shutil.copytree(ROOT / "docs", tmp_path / "docs", ignore=shutil.ignore_patterns("executed"))
@@ -101,6 +108,7 @@ def test_site_builds_without_executed_notebooks(tmp_path):
     assert "Executed notebook" not in (tmp_path / "site" / "dashboard" / "index.html").read_text()
 
 
+@pytest.mark.content
 def test_search_index_has_the_docs_but_not_the_notebooks(built):
     index = json.loads((built[0] / "search" / "search_index.json").read_text())
     locations = [d["location"] for d in index["docs"]]

@@ -40,7 +40,7 @@ def _run(i: int) -> dict:
             "provenance": {"git_commit": "c"}}
 
 
-def _record(root: Path, name: str, value: float = 1.0) -> None:
+def _write_record(root: Path, name: str, value: float = 1.0) -> None:
     records.add_run(root, name, "cpu", _run(0), [make_metric("x", value, unit="u", rel_tol=0.1)])
 
 
@@ -109,7 +109,7 @@ def test_a_failed_dependency_build_is_not_taken_for_done(tmp_path, cpu_machine):
 
 def test_one_malformed_record_does_not_hide_the_others(tmp_path, cpu_machine):
     root = make_repo(tmp_path, good=runbook_text(), bad=runbook_text())
-    _record(root, "good", 7.0)
+    _write_record(root, "good", 7.0)
     (root / "baselines" / "bad.yaml").write_text("runbook: bad\nprofiles: {cpu: [\n")
 
     r = cli(root, "list", "--json")
@@ -175,7 +175,7 @@ def test_a_failed_atomic_write_leaves_the_old_file(tmp_path, monkeypatch):
 
 def test_record_files_and_docs_keep_their_mode(tmp_path, umask_022):
     root = make_repo(tmp_path)
-    _record(root, "bench")
+    _write_record(root, "bench")
     path = root / "baselines" / "bench.yaml"
     assert _mode(path) == 0o644  # a new file: 0o666 less the umask
     path.chmod(0o664)  # group-writable, as a shared checkout has it

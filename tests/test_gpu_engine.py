@@ -79,7 +79,7 @@ def test_engine_bf16_and_bench_on_cuda():
     eng = Engine.load(shape="small", device="cuda", dtype="bf16", max_seq_len=256)
     r = eng.generate(PROMPT, 32)
     assert len(r.token_ids) == 32 and all(0 <= t < eng.vocab_size for t in r.token_ids) and r.tok_s > 0
-    b = run_bench(eng, BenchConfig(prompt_len=32, new_tokens=32, repeats=1, sizes=(1, 8), profile=True))
+    b = run_bench(eng, BenchConfig(prompt_len=32, new_tokens=32, repeats=1, sizes=(1, 8), torch_profile=True))
     assert b.graphs and set(b.forward_ms) == {"graph", "eager"} and b.copy_gb_s > 100
     assert 0 < b.decode["graph"].bw_util < 1.2 and b.peer_tok_s > 0
     assert b.decode["graph"].tok_s > b.decode["eager"].tok_s  # graph replay beats per-kernel launches

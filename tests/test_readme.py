@@ -1,6 +1,11 @@
-"""The README's two commands are the ones users and CI run: .ci/run must run the README's test command verbatim."""
+"""The README's two commands are the ones users and CI run: .ci/run must run the README's test command verbatim, and
+the main job installs only what it runs."""
 import re
 from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.content
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,3 +25,14 @@ def test_readme_has_two_commands_one_main_job_one_test():
 def test_ci_runs_the_readme_test_command():
     test_command = readme_commands()[1]
     assert test_command in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_the_main_job_installs_only_the_base_dependencies():
+    """The main job runs CPU runbooks: no test extra (playwright, the triton interpreter, pytest, mkdocs)."""
+    from specbook.project import tomllib
+
+    setup = readme_commands()[0]
+    assert re.search(r"pip install .* -e \. ", setup) and "[" not in setup.split("&&")[1], setup
+    base = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~; \[]", d, maxsplit=1)[0].lower() for d in base}
+    assert not names & {"triton", "playwright", "pytest", "pytest-timeout", "mkdocs", "fastapi", "speculators"}, names

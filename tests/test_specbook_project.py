@@ -69,6 +69,7 @@ def test_specbook_imports_no_project_package():
             assert not any(n == "engine" or n.startswith("engine.") for n in names), (path.name, names)
 
 
+@pytest.mark.content
 def test_this_repository_declares_its_engine_and_corpus():
     s = runbooks.load(ROOT, "train-target")
     assert s.inputs == ["corpus"] and "corpus" in provenance.known_inputs(ROOT)

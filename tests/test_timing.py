@@ -78,7 +78,7 @@ def test_bench_numbers_derive_from_the_measured_times(clocked, monkeypatch):
     eng, _ = clocked
     monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 40.0)  # GB/s: its own timing is not a forward
     monkeypatch.setattr(bench, "peer_tok_s", lambda *a: 400.0)  # transformers' model is not the hooked one
-    r = run_bench(eng, BenchConfig(prompt_len=8, new_tokens=8, repeats=2, sizes=(1, 8), profile=True))
+    r = run_bench(eng, BenchConfig(prompt_len=8, new_tokens=8, repeats=2, sizes=(1, 8), torch_profile=True))
     assert not r.graphs and set(r.decode) == {"graph", "eager"} and set(r.forward_ms) == {"eager"}
     for d in r.decode.values():  # 7 decode steps of 1.5 ms each, both repeats
         assert d.samples == pytest.approx([1000 / 1.5] * 2) and d.tok_s == pytest.approx(666.667, abs=1e-3)

@@ -268,7 +268,7 @@ def test_drafter_training_lowers_loss_and_saves_the_published_format(world, tmp_
 def test_finetuning_keeps_the_draft_vocab_and_measures_accept_length_as_it_goes(world, tmp_path):
     from engine.drafter import load_drafter
 
-    prompts = D.prompt_ids(world["tok"], 2, 200)
+    prompts = D.held_out_prompts(world["tok"], 2, 200)
     seen = []
 
     def measure(draft, target):
@@ -324,5 +324,5 @@ def test_target_and_drafter_train_on_cuda_in_bf16_autocast(world, tmp_path):
     target = load_model(r.path, device="cuda", dtype="bfloat16")
     from engine.drafter import load_drafter
 
-    prompts = D.prompt_ids(world["tok"], 2, 200)
+    prompts = D.held_out_prompts(world["tok"], 2, 200)
     assert 1.0 <= D.accept_length(target, load_drafter(d.path, target), prompts, 3, 16) <= 4.0

@@ -27,7 +27,7 @@ def _twice(self, *args, **kwargs):
 
 Transformer.forward = _twice
 '''
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.content]  # verifies the committed baseline-decode record
 
 
 @pytest.fixture()

@@ -236,7 +236,7 @@ def summarize(url: str, results: list[RequestResult], concurrency: int, duration
     )
 
 
-def format_table(s: BenchSummary) -> str:
+def format_summary(s: BenchSummary) -> str:
     rows = [("url", s.url), ("requests ok/failed", f"{s.ok}/{s.failed}"), ("concurrency", str(s.concurrency)),
             ("duration s", f"{s.duration_s:.2f}"), ("completion tokens", str(s.completion_tokens)),
             ("output tok/s", f"{s.output_tok_s:.1f}"),
@@ -295,7 +295,7 @@ def main(url: str, model: str | None, prompts_path: str | None, requests: int, c
             raise
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    click.echo(json.dumps(summary.to_dict(), indent=2) if as_json else format_table(summary))
+    click.echo(json.dumps(summary.to_dict(), indent=2) if as_json else format_summary(summary))
     sys.exit(1 if summary.failed else 0)
 
 

@@ -48,7 +48,7 @@ def create_app(eng: Any, cfg: ServeConfig | None = None, chat_template: str | No
 
     @app.post("/v1/completions")
     async def completions(request: Request, req: CompletionRequest):
-        return await serving.complete(request, req, serving.prompt_ids(req.prompt), req.max_tokens, chat=False)
+        return await serving.complete(request, req, serving.encode_prompt(req.prompt), req.max_tokens, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, req: ChatRequest):
@@ -57,7 +57,7 @@ def create_app(eng: Any, cfg: ServeConfig | None = None, chat_template: str | No
             prompt = render_chat(messages, template)
         except Exception as e:  # a checkpoint's template may reject a conversation (roles, order)
             raise HTTPException(400, f"chat template failed: {e}")
-        return await serving.complete(request, req, serving.prompt_ids(prompt),
+        return await serving.complete(request, req, serving.encode_prompt(prompt),
                                       req.max_completion_tokens or req.max_tokens, chat=True)
 
     @app.get("/v1/models")

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from engine.cli_options import engine_options, load_engine
+from engine.cli_options import EXIT_BAD_INPUT, debug_requested, engine_options, load_engine
 from engine.errors import EngineError
 
 
@@ -25,7 +25,7 @@ def is_loopback(host: str) -> bool:
 def fail(message: str) -> None:
     """Bad input: one line and exit 2, also when this command runs outside engine/__main__.py's group."""
     click.echo(f"error: {message}", err=True)
-    sys.exit(2)
+    sys.exit(EXIT_BAD_INPUT)
 
 
 @click.command("serve")
@@ -51,7 +51,7 @@ def fail(message: str) -> None:
 ])
 def serve_command(host: str, port: int, api_key: str | None, model_name: str, max_body_bytes: int,
                   max_prompt_tokens: int | None, max_tokens_limit: int, queue_size: int, header_timeout: float,
-                  body_timeout: float, keep_alive_timeout: float, limit_concurrency: int, debug: bool,
+                  body_timeout: float, keep_alive_timeout: float, limit_concurrency: int,
                   **load: Any) -> None:
     """OpenAI-compatible server for the bundled engine (/v1/completions, /v1/chat/completions, /metrics)."""
     import uvicorn
@@ -71,7 +71,7 @@ def serve_command(host: str, port: int, api_key: str | None, model_name: str, ma
         eng = load_engine(**load)
         app = create_app(eng, cfg, load_chat_template(load["target"]), load_special_tokens(load["target"]))
     except EngineError as e:
-        if debug:
+        if debug_requested():
             raise
         fail(str(e))
     if not is_loopback(host) and api_key is None:

@@ -87,7 +87,7 @@ class OpenAIServing:
         self.max_prompt = min(cfg.max_prompt_tokens or eng.max_seq_len, eng.max_seq_len - 1)
 
     # ---- request -> job
-    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         ids = self.eng.encode(prompt) if isinstance(prompt, str) else list(prompt)
         vocab = self.eng.vocab_size
         if any(not 0 <= i < vocab for i in ids):

@@ -81,7 +81,7 @@ def targets_cmd(out_dir: str, preset: str, device: str | None, family: str, step
 def drafter_cmd(out_dir: str, target_dir: str, preset: str, device: str | None, init_from: str | None,
                 mix: str | None, steps: int | None, samples: int | None, eval_prompts: int | None) -> None:
     """Train an EAGLE-3 drafter for TARGET into OUT_DIR (published format)."""
-    from engine.train.drafter import accept_length, prompt_ids, train_drafter
+    from engine.train.drafter import accept_length, held_out_prompts, train_drafter
     from engine.train.presets import get_preset, with_overrides
     from engine.train.tokenizer import load_tokenizer
 
@@ -94,7 +94,7 @@ def drafter_cmd(out_dir: str, target_dir: str, preset: str, device: str | None, 
         from engine.loading import load_model
 
         target = load_model(target_dir, device=device or p.device, dtype=p.dtype)
-        prompts = prompt_ids(load_tokenizer(target_dir), eval_prompts, p.prompt_chars, run.mix)
+        prompts = held_out_prompts(load_tokenizer(target_dir), eval_prompts, p.prompt_chars, run.mix)
         row["accept_length"] = round(accept_length(target, load_drafter(out_dir, target), prompts, 7,
                                                    p.max_new_tokens), 4)
     click.echo(json.dumps(row))

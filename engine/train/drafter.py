@@ -233,7 +233,7 @@ def train_drafter(out_dir: str | Path, run: DrafterRun, target_dir: str | Path, 
     return _result(out, log)
 
 
-def prompt_ids(tok, n: int, chars: int, mix: str = "A") -> list[list[int]]:
+def held_out_prompts(tok, n: int, chars: int, mix: str = "A") -> list[list[int]]:
     """Token ids of the held-out prompts (engine.train.corpus.prompts)."""
     return [e.ids for e in tok.encode_batch(corpus.prompts(n, chars, mix))]
 
