@@ -91,7 +91,7 @@ def test_bench_numbers_derive_from_the_measured_times(clocked, monkeypatch):
     assert r.to_dict()["t8_over_t1"] == pytest.approx(10 / 3) and r.to_dict()["peer_ratio"] == pytest.approx(5 / 3)
     # the profile reads torch's profiler, not the clock
     assert r.step_ms["matrix"] > 0 and r.step_ms["attention"] > 0 and r.step_ms["kernels"] > 0
-    assert "aten::mm" in r.profile
+    assert "aten::mm" in r.profile_table
     with pytest.raises(EngineError, match="max-seq-len"):
         run_bench(eng, BenchConfig(prompt_len=60, new_tokens=8, peer=False))
 
