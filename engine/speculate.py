@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.deterministic import Deterministic, width_forward
 from engine.drafter import Eagle3Drafter
 from engine.errors import EngineError
 from engine.generate import GenerationResult, check_lengths, cut_at_stop, prompt_tensor
@@ -121,7 +122,8 @@ class SpecDecoder:
 
     def __init__(self, target: torch.nn.Module, drafter: Eagle3Drafter, max_seq_len: int, steps: int = 7,
                  topk: int = 1, draft_tokens: int | None = None, cuda_graphs: bool = True, eager_verify: bool = False,
-                 prefill_chunk: int = 512, compile: bool = False, overlap: bool | None = None):
+                 prefill_chunk: int = 512, compile: bool = False, overlap: bool | None = None,
+                 deterministic: bool = False):
         if max_seq_len <= 1:
             raise EngineError(f"max_seq_len must be at least 2, got {max_seq_len}")
         self.shape = TreeShape.make(steps, topk, draft_tokens)
@@ -134,6 +136,7 @@ class SpecDecoder:
         self.cuda_graphs, self.eager_verify, self.prefill_chunk = cuda_graphs, eager_verify, prefill_chunk
         self.device = target.device
         self.compile = compile
+        self.deterministic = deterministic_mode(self.shape, drafter, eager_verify) if deterministic else None
         # Queue the next draft phase before the host reads a cycle's result. On CUDA that hides the host's share
         # of the cycle; on CPU nothing runs asynchronously, so by default it would only cost a wasted draft phase
         # when a stop id ends the generation (tests turn it on there to check the outputs are the same).
@@ -235,11 +238,13 @@ class SpecDecoder:
         return draft
 
     def _verify_fn(self, n: int, sampling: SamplingParams):
-        aux_layers, max_depth, ext = self.drafter.aux_layers, self.shape.steps, self.extend
+        max_depth, ext = self.shape.steps, self.extend
         m = min(n, max_depth + 1)  # path rows the extend can need
 
+        forward = self._target_forward()
+
         def verify(tokens, pos, slots, mask, parents, depth, anc, noise):
-            logits, aux = self.target(tokens, pos, slots, mask, hidden_layers=aux_layers)
+            logits, aux = forward(tokens, pos, slots, mask)
             if sampling.greedy:
                 choice = logits[0].argmax(-1)
             else:
@@ -251,6 +256,14 @@ class SpecDecoder:
             return path, torch.cat([count, emitted])  # result: what the host reads
 
         return verify
+
+    def _target_forward(self):
+        """The verify's target forward; in deterministic mode the shared width forward of the baseline's decode step
+        (compiled there, on its own: the verify around it stays eager inside the graph)."""
+        if self.deterministic is not None:
+            return width_forward(self.target, self.deterministic, self.compile)
+        aux_layers = self.drafter.aux_layers
+        return lambda tokens, pos, slots, mask: self.target(tokens, pos, slots, mask, hidden_layers=aux_layers)
 
     def _compiled(self, fn, n: int | None = None):
         """With `compile`, fn (serving verifies of n tokens; None: of every size) through torch.compile (inductor),
@@ -298,7 +311,8 @@ class SpecDecoder:
             if (n, sampling) not in self._verify:
                 eager = self.eager_verify  # the game plan's slow path: neither captured nor compiled
                 verify = self._verify_fn(n, sampling)
-                self._verify[n, sampling] = CapturedCall(verify if eager else self._compiled(verify, n),
+                plain = eager or self.deterministic is not None  # deterministic: the forward inside is compiled
+                self._verify[n, sampling] = CapturedCall(verify if plain else self._compiled(verify, n),
                                                          vars(self.inputs[n]), enabled=on and not eager)
 
     @torch.no_grad()
@@ -396,6 +410,17 @@ class SpecDecoder:
         """Yields the prefill's token, then each cycle's tokens (accepted drafts + bonus)."""
         for cyc in self._cycles(prompt_ids, max_new_tokens, sampling, tuple(stop_ids), seed, timed_phases):
             yield cyc.tokens
+
+
+def deterministic_mode(shape: TreeShape, drafter: Eagle3Drafter, eager_verify: bool) -> Deterministic:
+    """The deterministic mode of a chain (engine.deterministic): trees and eager verify are refused."""
+    if shape.topk > 1:
+        raise EngineError("deterministic mode needs a chain (topk 1): tree nodes sit at cache slots other than their "
+                          "positions, so their attention sums in another order than a decode step's")
+    if eager_verify:
+        raise EngineError("deterministic mode runs the verify through the decode step's forward; eager_verify "
+                          "measures another path")
+    return Deterministic.chain(shape.steps, drafter)
 
 
 class HostCopy:
