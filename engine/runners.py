@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.deterministic import Deterministic, width_forward
 from engine.drafter import Eagle3Drafter
 from engine.graphs import CapturedCall, GraphSet
 from engine.sampling import SamplingParams, logits_to_probs
@@ -226,10 +227,11 @@ class VerifyRunner:
     `eager`: neither captured nor compiled (the game plan's "extend mode without CUDA graphs", to measure its cost)."""
 
     def __init__(self, target: torch.nn.Module, aux_layers: tuple[int, ...], shape: TreeShape, max_seq_len: int,
-                 extend_inputs: ExtendInputs, compile: bool = False, eager: bool = False):
+                 extend_inputs: ExtendInputs, compile: bool = False, eager: bool = False,
+                 deterministic: Deterministic | None = None):
         self.target, self.aux_layers, self.shape = target, aux_layers, shape
         self.extend_inputs = extend_inputs
-        self.compile, self.eager = compile, eager
+        self.compile, self.eager, self.deterministic = compile, eager, deterministic
         vocab, dev = target.cfg.vocab_size, target.device
         # the full tree, and one token for the cache's end where the tree no longer fits
         self.inputs = {n: TreeInputs.empty(n, max_seq_len, vocab, dev) for n in (1, shape.draft_tokens)}
@@ -246,15 +248,18 @@ class VerifyRunner:
         for n in self.inputs:
             if (n, sampling) not in self.calls:
                 fn = self._fn(n, sampling)
-                fn = fn if self.eager else maybe_compile(fn, self.compile and n != 1)
+                # deterministic: the forward inside is the baseline's compiled width forward; the rest stays eager
+                plain = self.eager or self.deterministic is not None
+                fn = fn if plain else maybe_compile(fn, self.compile and n != 1)
                 self.calls[n, sampling] = CapturedCall(fn, vars(self.inputs[n]), enabled=enabled and not self.eager)
 
     def _fn(self, n: int, sampling: SamplingParams) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-        aux_layers, max_depth, ext = self.aux_layers, self.shape.steps, self.extend_inputs
+        max_depth, ext = self.shape.steps, self.extend_inputs
         m = min(n, max_depth + 1)  # path rows the extend can need
+        forward = self._forward()
 
         def verify(tokens, pos, slots, mask, parents, depth, anc, noise):
-            logits, aux = self.target(tokens, pos, slots, mask, hidden_layers=aux_layers)
+            logits, aux = forward(tokens, pos, slots, mask)
             if sampling.greedy:
                 choice = logits[0].argmax(-1)
             else:
@@ -266,6 +271,14 @@ class VerifyRunner:
             return path, torch.cat([count, emitted])  # result: what the host reads
 
         return verify
+
+    def _forward(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+        """The target forward with the drafter's feature layers; in deterministic mode the width forward shared with
+        the baseline's decode step (engine.deterministic)."""
+        if self.deterministic is not None:
+            return width_forward(self.target, self.deterministic, self.compile)
+        aux_layers = self.aux_layers
+        return lambda tokens, pos, slots, mask: self.target(tokens, pos, slots, mask, hidden_layers=aux_layers)
 
 
 class CompactRunner:

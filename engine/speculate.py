@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.decoding import GenerationResult, check_lengths, cut_at_stop, prompt_tensor
+from engine.deterministic import Deterministic
 from engine.drafter import Eagle3Drafter
 from engine.errors import EngineError
 from engine.graphs import HostCopy
@@ -62,7 +63,7 @@ class SpecDecoder:
     def __init__(self, target: torch.nn.Module, drafter: Eagle3Drafter, max_seq_len: int,
                  steps: int = DEFAULT_STEPS, topk: int = DEFAULT_TOPK, draft_tokens: int | None = None,
                  cuda_graphs: bool = True, eager_verify: bool = False, prefill_chunk: int = 512, compile: bool = False,
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, deterministic: bool = False):
         if max_seq_len <= 1:
             raise EngineError(f"max_seq_len must be at least 2, got {max_seq_len}")
         self.shape = TreeShape.make(steps, topk, draft_tokens)
@@ -75,6 +76,7 @@ class SpecDecoder:
         self.cuda_graphs, self.eager_verify, self.prefill_chunk = cuda_graphs, eager_verify, prefill_chunk
         self.device = target.device
         self.compile = compile
+        self.deterministic = deterministic_mode(self.shape, drafter, eager_verify) if deterministic else None
         # Queue the next draft phase before the host reads a cycle's result. On CUDA that hides the host's share
         # of the cycle; on CPU nothing runs asynchronously, so by default it would only cost a wasted draft phase
         # when a stop id ends the generation (tests turn it on there to check the outputs are the same).
@@ -82,7 +84,7 @@ class SpecDecoder:
         self.result = HostCopy(self.shape.draft_tokens + 1, self.device)
         self.draft = DraftRunner(target, drafter, self.shape, max_seq_len, compile)
         self.verify = VerifyRunner(target, drafter.aux_layers, self.shape, max_seq_len, self.draft.inputs, compile,
-                                   eager_verify)
+                                   eager_verify, self.deterministic)
         self.compact: CompactRunner | None = None
         self._caches = None  # the cache objects the graphs were captured over
 
@@ -205,3 +207,14 @@ class SpecDecoder:
         """Yields the prefill's token, then each cycle's tokens (accepted drafts + bonus)."""
         for cyc in self._cycles(prompt_ids, max_new_tokens, sampling, tuple(stop_ids), seed, timed_phases):
             yield cyc.tokens
+
+
+def deterministic_mode(shape: TreeShape, drafter: Eagle3Drafter, eager_verify: bool) -> Deterministic:
+    """The deterministic mode of a chain (engine.deterministic): trees and eager verify are refused."""
+    if shape.topk > 1:
+        raise EngineError("deterministic mode needs a chain (topk 1): tree nodes sit at cache slots other than their "
+                          "positions, so their attention sums in another order than a decode step's")
+    if eager_verify:
+        raise EngineError("deterministic mode runs the verify through the decode step's forward; eager_verify "
+                          "measures another path")
+    return Deterministic.chain(shape.steps, drafter)

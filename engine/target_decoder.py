@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.decoding import GenerationResult, check_lengths, cut_at_stop, prompt_tensor
+from engine.deterministic import Deterministic, decode_forward
 from engine.errors import EngineError
 from engine.graphs import CapturedCall
 from engine.sampling import SamplingParams, sample
@@ -17,12 +18,13 @@ from engine.timing import clock, sync
 
 
 @torch.no_grad()
-def prefill(model, ids: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Write the prompt's K/V in chunks of `chunk` tokens; the last position's logits [1, V]."""
+def prefill(model, ids: torch.Tensor, chunk: int, last_logits_only: bool = True) -> torch.Tensor:
+    """Write the prompt's K/V in chunks of `chunk` tokens; the last position's logits [1, V]. `last_logits_only=False`
+    computes the lm_head over every row, as speculative prefill does (deterministic mode: the same GEMM shape)."""
     L = ids.shape[1]
     for s in range(0, L, chunk):
         e = min(s + chunk, L)
-        logits, _ = model(ids[:, s:e], torch.arange(s, e, device=ids.device), last_logits_only=True)
+        logits, _ = model(ids[:, s:e], torch.arange(s, e, device=ids.device), last_logits_only=last_logits_only)
     return logits[:, -1]
 
 
@@ -46,16 +48,17 @@ class DecodeState:
 class TargetDecoder:
     """The target alone. `compile=True` runs the model forward of the decode step through torch.compile (inductor
     fuses the small ops) before it is captured in our own CUDA graph; sampling stays eager so that its random
-    numbers come from the graph-safe default generator."""
+    numbers come from the graph-safe default generator. `deterministic` runs every decode step at the verify's width,
+    so its logits are bit-identical to a deterministic SpecDecoder's (engine.deterministic)."""
 
     def __init__(self, model: torch.nn.Module, max_seq_len: int, cuda_graphs: bool = True, prefill_chunk: int = 512,
-                 compile: bool = False):
+                 compile: bool = False, deterministic: Deterministic | None = None):
         if max_seq_len <= 1:
             raise EngineError(f"max_seq_len must be at least 2, got {max_seq_len}")
         if prefill_chunk <= 0:
             raise EngineError(f"prefill_chunk must be positive, got {prefill_chunk}")
         self.model, self.max_seq_len, self.prefill_chunk = model, max_seq_len, prefill_chunk
-        self.cuda_graphs, self.compile = cuda_graphs, compile
+        self.cuda_graphs, self.compile, self.deterministic = cuda_graphs, compile, deterministic
         self.device = model.device
         self.state = DecodeState.empty(max_seq_len, self.device)
         self._forward = torch.compile(model, fullgraph=True, dynamic=False) if compile else model
@@ -64,6 +67,8 @@ class TargetDecoder:
 
     def _step_fn(self, sampling: SamplingParams):
         forward = self._forward
+        if self.deterministic is not None:
+            forward = decode_forward(self.model, self.deterministic, self.compile)
 
         def step(token, input_pos, idx, out):
             logits, _ = forward(token, input_pos)
@@ -101,7 +106,7 @@ class TargetDecoder:
         sync(self.device)
         now = clock(self.device)
         t0 = now()
-        first = sample(prefill(self.model, ids, self.prefill_chunk), sampling)  # [1]
+        first = sample(prefill(self.model, ids, self.prefill_chunk, self.deterministic is None), sampling)  # [1]
         st = self.state
         st.token.copy_(first.view(1, 1))
         st.input_pos.fill_(L)
