@@ -11,16 +11,9 @@ from engine.loading import random_model
 from engine.speculate import SpecDecoder
 from test_speculate import bigram_target, drafter_for, prompts
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 DTYPES = [torch.float32, torch.bfloat16]
 STEPS = 4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 class Logits:

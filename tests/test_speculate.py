@@ -15,16 +15,8 @@ from engine.speculate import SpecDecoder
 from engine.target_decoder import TargetDecoder
 from engine.tree import TreeShape, accept, ancestors, build_tree, select_nodes, top_children, topk, tree_mask
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread beats two that contend
 V = 97  # prime, so x -> 7x + 3 is a permutation
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is faster than two that contend."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def bigram(x: torch.Tensor, vocab: int = V) -> torch.Tensor:
