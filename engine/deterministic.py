@@ -12,9 +12,9 @@ the query's position): the logits at a position are bit-identical, and greedy sp
 
 Limits: a tree's nodes sit at cache slots other than their positions, so their attention sums keys in another order:
 chains only. Both decoders must also prefill alike: the baseline computes the logits of every prompt row, as the
-speculative prefill does (a 1-row lm_head is another GEMM). With torch.compile the forward is compiled once per
-(model, width, feature layers) and shared by every decoder, so both run the same generated kernels with the same
-tuned configurations.
+speculative prefill does (a 1-row lm_head is another GEMM). With torch.compile the layers are compiled once per
+(model, width) and shared by every decoder, so both run the same generated kernels with the same tuned
+configurations.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class Deterministic:
     """How every target forward of a deterministic decode loop runs."""
     width: int  # rows per forward: the verify's token count (steps + 1 for a chain)
     hidden_layers: tuple[int, ...] = ()  # the drafter's feature layers; the baseline computes and drops them too,
-    #                                      so that both decoders run one compiled graph
+    #                                      so that both decoders run the same forward
 
     @classmethod
     def chain(cls, steps: int, drafter) -> "Deterministic":
@@ -50,11 +50,11 @@ class WidthForward:
 
     def __init__(self, model: torch.nn.Module, mode: Deterministic, compile: bool):
         self.model, self.mode = model, mode
-        self._fn = torch.compile(self._forward, fullgraph=True, dynamic=False) if compile else self._forward
+        self.compile = compile
 
     def _forward(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
                  mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.model(tokens, pos, slots, mask, hidden_layers=self.mode.hidden_layers)
+        return self.model(tokens, pos, slots, mask, hidden_layers=self.mode.hidden_layers, compiled=self.compile)
 
     def pad(self, tokens: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
             mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -74,7 +74,7 @@ class WidthForward:
             raise EngineError(f"a forward of {T} tokens does not fit the deterministic width {self.mode.width}")
         if T < self.mode.width:
             tokens, pos, slots, mask = self.pad(tokens, pos, slots, mask)
-        logits, aux = self._fn(tokens, pos, slots, mask)
+        logits, aux = self._forward(tokens, pos, slots, mask)
         return logits[:, :T], None if aux is None else aux[:, :T]
 
 

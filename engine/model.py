@@ -6,6 +6,8 @@ Weights are kept fused (q/k/v in `wqkv`, gate/up in `w13`) so a decode step laun
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -185,6 +187,7 @@ class Transformer(StaticCacheModule):
         attn_mask: torch.Tensor | None = None,  # [T, S] bool, True = may attend
         hidden_layers: tuple[int, ...] = (),
         last_logits_only: bool = False,
+        compiled: bool = False,  # each layer through torch.compile (compiled_layers)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
         slots = None
@@ -194,7 +197,7 @@ class Transformer(StaticCacheModule):
                 attn_mask = self.slot_ids[None, :] <= input_pos[:, None]
         x = self.embed_tokens(input_ids)
         taken: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.compiled_layers() if compiled else self.layers):
             if i in hidden_layers:
                 taken[i] = x
             x = layer(x, cos, sin, slots, attn_mask)
@@ -204,6 +207,21 @@ class Transformer(StaticCacheModule):
         if last_logits_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x)).float(), aux
+
+    def compiled_layers(self) -> list[Callable[..., torch.Tensor]]:
+        """Every layer through torch.compile (inductor fuses the norms, RoPE and activations between the matrix
+        reads): regional compilation. Dynamo caches the compiled layer by code and guards on the layer's structure,
+        not its identity, so all layers of one structure share one compile per input shape - a deep model compiles
+        in the time of one layer, where compiling the whole forward traces every layer. Only the embedding, the final
+        norm and the lm_head stay outside, a few kernels per step. The wrappers live outside the module tree:
+        state_dict and .to() never see them."""
+        calls = vars(self).get("_compiled_layers")
+        if calls is None:
+            limit = torch._dynamo.config.recompile_limit  # one entry per (layer structure, input shape): widen
+            torch._dynamo.config.recompile_limit = max(limit, 64)
+            calls = [torch.compile(layer._call_impl, fullgraph=True, dynamic=False) for layer in self.layers]
+            vars(self)["_compiled_layers"] = calls
+        return calls
 
     @torch.no_grad()
     def move_cache(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:

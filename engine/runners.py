@@ -244,22 +244,31 @@ class VerifyRunner:
         return self.calls[n, sampling]()
 
     def capture(self, sampling: SamplingParams, enabled: bool) -> None:
-        """The graphs of one sampling setting, once. A verify of one token is captured, not compiled."""
+        """The graphs of one sampling setting, once."""
         for n in self.inputs:
             if (n, sampling) not in self.calls:
-                fn = self._fn(n, sampling)
-                # deterministic: the forward inside is the baseline's compiled width forward; the rest stays eager
-                plain = self.eager or self.deterministic is not None
-                fn = fn if plain else maybe_compile(fn, self.compile and n != 1)
-                self.calls[n, sampling] = CapturedCall(fn, vars(self.inputs[n]), enabled=enabled and not self.eager)
+                self.calls[n, sampling] = CapturedCall(self._fn(n, sampling), vars(self.inputs[n]),
+                                                       enabled=enabled and not self.eager)
 
     def _fn(self, n: int, sampling: SamplingParams) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-        max_depth, ext = self.shape.steps, self.extend_inputs
-        m = min(n, max_depth + 1)  # path rows the extend can need
+        """The target forward (with compile, its layers compiled: Transformer.compiled_layers), then the settle: the
+        target's choices, the accepted path and the extend's inputs - small kernels that inductor fuses, except
+        in a verify of one token (rare: the cache's end), in deterministic mode and in eager mode."""
         forward = self._forward()
+        fuse = self.compile and n != 1 and not self.eager and self.deterministic is None
+        settle = maybe_compile(self._settle_fn(n, sampling), fuse)
 
         def verify(tokens, pos, slots, mask, parents, depth, anc, noise):
             logits, aux = forward(tokens, pos, slots, mask)
+            return settle(tokens, logits, aux, parents, depth, anc, noise)
+
+        return verify
+
+    def _settle_fn(self, n: int, sampling: SamplingParams) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        max_depth, ext = self.shape.steps, self.extend_inputs
+        m = min(n, max_depth + 1)  # path rows the extend can need
+
+        def settle(tokens, logits, aux, parents, depth, anc, noise):
             if sampling.greedy:
                 choice = logits[0].argmax(-1)
             else:
@@ -270,15 +279,17 @@ class VerifyRunner:
             ext.count.copy_(count)
             return path, torch.cat([count, emitted])  # result: what the host reads
 
-        return verify
+        return settle
 
     def _forward(self) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
         """The target forward with the drafter's feature layers; in deterministic mode the width forward shared with
         the baseline's decode step (engine.deterministic)."""
+        compiled = self.compile and not self.eager
         if self.deterministic is not None:
-            return width_forward(self.target, self.deterministic, self.compile)
+            return width_forward(self.target, self.deterministic, compiled)
         aux_layers = self.aux_layers
-        return lambda tokens, pos, slots, mask: self.target(tokens, pos, slots, mask, hidden_layers=aux_layers)
+        return lambda tokens, pos, slots, mask: self.target(tokens, pos, slots, mask, hidden_layers=aux_layers,
+                                                            compiled=compiled)
 
 
 class CompactRunner:

@@ -4,6 +4,7 @@ loop ends, so the GPU never waits for Python. On CPU the same step runs eagerly.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -46,8 +47,8 @@ class DecodeState:
 
 
 class TargetDecoder:
-    """The target alone. `compile=True` runs the model forward of the decode step through torch.compile (inductor
-    fuses the small ops) before it is captured in our own CUDA graph; sampling stays eager so that its random
+    """The target alone. `compile=True` runs the model's layers of the decode step through torch.compile (inductor
+    fuses the small ops; Transformer.compiled_layers) before it is captured in our own CUDA graph; sampling stays eager so that its random
     numbers come from the graph-safe default generator. `deterministic` runs every decode step at the verify's width,
     so its logits are bit-identical to a deterministic SpecDecoder's (engine.deterministic)."""
 
@@ -61,7 +62,7 @@ class TargetDecoder:
         self.cuda_graphs, self.compile, self.deterministic = cuda_graphs, compile, deterministic
         self.device = model.device
         self.state = DecodeState.empty(max_seq_len, self.device)
-        self._forward = torch.compile(model, fullgraph=True, dynamic=False) if compile else model
+        self._forward = functools.partial(model, compiled=True) if compile else model
         self._calls: dict[SamplingParams, CapturedCall] = {}
         self._cache = None  # the cache object the graphs were captured over
 

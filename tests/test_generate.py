@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from engine.bench import BenchConfig, run_bench
+from engine.config import ModelConfig
 from engine.decoding import cut_at_stop
 from engine.errors import EngineError
 from engine.loading import random_model
@@ -135,3 +136,21 @@ def test_bench_reports_a_failed_compile_and_keeps_the_other_numbers(monkeypatch)
     r = run_bench(eng, BenchConfig(prompt_len=8, new_tokens=8, repeats=1, sizes=(1,), eager=False, peer=False,
                                    compile=True))
     assert r.errors == {"compiled": "RuntimeError: inductor unavailable"} and set(r.decode) == {"graph"}
+
+
+def test_compiled_decode_compiles_one_layer_for_the_whole_stack():
+    """Regional compilation: the decode step's layers share one compiled graph (dynamo guards on the layer's
+    structure, not its identity), so a deeper model costs no more compiles; the tokens are the eager decode's."""
+    from torch._dynamo.utils import counters
+
+    model = random_model(ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256))
+    prompt = list(range(3, 19))
+    eager = TargetDecoder(model, 64, cuda_graphs=False).generate(prompt, 12).token_ids
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = TargetDecoder(model, 64, cuda_graphs=False, compile=True).generate(prompt, 12).token_ids
+    assert counters["stats"]["unique_graphs"] == 1  # not one per layer: 6 would mean no sharing
+    assert compiled == eager
+    assert "_compiled_layers" not in model.state_dict() and len(model.state_dict()) == len(
+        random_model(model.cfg).state_dict())  # the wrappers stay outside the module tree
