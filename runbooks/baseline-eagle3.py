@@ -55,6 +55,7 @@ repeats = 3  # timed passes over the prompts; the median pass is recorded
 torch_compile = False  # also baseline and EAGLE-3 through torch.compile inside their graphs (compiled_* numbers)
 cycle_shape = ""  # a named shape for the cycle-cost measurement (h200: llama-3.1-8b); empty: skip
 cycle_accept_length = 3.86  # SGLang's H200 MT-bench accept length (chain, 7 steps, 8 tokens)
+cycle_new_tokens = 64  # tokens per generation on cycle_shape: a random drafter is rarely accepted, one cycle a token
 max_seq_len = 512
 seed = 0
 cpu_threads = 1  # torch threads on CPU: small models on shared cores run fastest on one
@@ -116,8 +117,8 @@ def decoders(model, drafter, n_draft=None) -> dict:
     return out
 
 
-def measure(model, drafter, prompts, n_draft=None) -> dict:
-    return {name: cycle_stats(make(), prompts, new_tokens, repeats, seed)
+def measure(model, drafter, prompts, n_draft=None, n_new=new_tokens) -> dict:
+    return {name: cycle_stats(make(), prompts, n_new, repeats, seed)
             for name, make in decoders(model, drafter, n_draft).items()}
 
 
@@ -221,7 +222,7 @@ if cycle_shape:
                         seed=seed, device=dev, dtype=dt)
     g = torch.Generator().manual_seed(seed)
     big_prompts = [torch.randint(0, big.cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(2)]
-    big_stats = measure(big, big_d, big_prompts)
+    big_stats = measure(big, big_d, big_prompts, n_new=cycle_new_tokens)
     sfx = f".{cycle_shape}"
     ce = big_stats["eagle3_eager_verify"]
     record(f"eager_over_graph_cycle{sfx}", ce.ms_per_cycle / big_stats["eagle3"].ms_per_cycle, unit="x",

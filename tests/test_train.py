@@ -137,6 +137,30 @@ def test_resume_with_other_parameters_is_refused(tmp_path):
         loop.train(tmp_path, {"lr": 0.2}, model, opt, sched, step, "t")
 
 
+def test_every_step_runs_with_deterministic_kernels_and_the_setting_is_restored(tmp_path):
+    """GPU runs reproduce only with deterministic kernels in forward, backward and optimizer step; outside training
+    (evaluation, the caller's code) the caller's setting holds."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters())
+    seen = []
+
+    def step(s):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return (model(torch.ones(2, 4)) ** 2).mean(), {}
+
+    def grad_hook(grad):
+        seen.append(torch.are_deterministic_algorithms_enabled())  # the backward too
+        return grad
+
+    model.weight.register_hook(grad_hook)
+    assert not torch.are_deterministic_algorithms_enabled()
+    first = loop.train(tmp_path, {}, model, opt, loop.Schedule(steps=3, lr=0.1, warmup=1), step, "t",
+                       eval_fn=lambda: {"outside": float(torch.are_deterministic_algorithms_enabled())}, eval_every=3)
+    log = loop.train(tmp_path / "again", {}, model, opt, loop.Schedule(steps=1, lr=0.1, warmup=1), step, "t")
+    assert seen == [True] * 8 and len(log.history["loss"]) == 1 and first.evals == [{"step": 3, "outside": 0.0}]
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
 def test_disk_full_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.AdamW(model.parameters())
@@ -326,3 +350,16 @@ def test_target_and_drafter_train_on_cuda_in_bf16_autocast(world, tmp_path):
 
     prompts = D.held_out_prompts(world["tok"], 2, 200)
     assert 1.0 <= D.accept_length(target, load_drafter(d.path, target), prompts, 3, 16) <= 4.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_training_reproduces_its_losses_bit_for_bit(world, tmp_path):
+    """Deterministic kernels (loop.reproducible): two runs of the same target and drafter training on a GPU give
+    the same loss at every step, so GPU records of losses and accept lengths verify exactly."""
+    run = dataclasses.replace(world["run"], steps=12)
+    targets = [train_target(tmp_path / f"t{i}", run, world["tok_dir"], world["cfg"], device="cuda") for i in (0, 1)]
+    assert targets[0].log.history["loss"] == targets[1].log.history["loss"]
+    drafters = [D.train_drafter(tmp_path / f"d{i}", drafter_run(steps=12), targets[0].path, device="cuda")
+                for i in (0, 1)]
+    assert drafters[0].log.history["loss"] == drafters[1].log.history["loss"]

@@ -241,13 +241,13 @@ def held_out_prompts(tok, n: int, chars: int, mix: str = "A") -> list[list[int]]
 @torch.no_grad()
 def accept_length(target: Transformer, drafter: Eagle3Drafter, prompts: list[list[int]], steps: int = 7,
                   max_new_tokens: int = 64) -> float:
-    """Greedy chain speculation (topk 1, `steps` draft steps) over the prompts with engine.speculate.SpecDecoder:
-    engine.metrics.accept_length over all prompts (token-weighted), the bonus token included."""
+    """Greedy chain speculation (topk 1, `steps` draft steps) over the prompts with engine.speculate.SpecDecoder
+    (captured on a GPU: the same kernels as eager, replayed without Python's launch cost): engine.metrics.accept_length
+    over all prompts (token-weighted), the bonus token included."""
     from engine.speculate import SpecDecoder
 
     max_len = max(len(p) for p in prompts) + max_new_tokens + steps + 2
-    dec = SpecDecoder(target, drafter, max_seq_len=max_len, steps=steps, topk=1, draft_tokens=steps + 1,
-                      cuda_graphs=False)
+    dec = SpecDecoder(target, drafter, max_seq_len=max_len, steps=steps, topk=1, draft_tokens=steps + 1)
     tokens = cycles = 0
     try:
         for p in prompts:

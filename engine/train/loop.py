@@ -4,6 +4,10 @@ written atomically and resumed after a kill.
 A run directory holds `train-state.pt` while training (model + optimizer + step + history, the parameters' hash)
 and `train-log.json` once done. Batches are a pure function of (seed, step), so a resumed run ends in exactly the
 state of an uninterrupted one. Resuming with other parameters is refused: the checkpoint would mean something else.
+
+Every optimizer step runs with deterministic kernels (`reproducible`), on a GPU too: a run on the same hardware and
+software gives its losses, and so its models and accept lengths, bit for bit, and a record verifies them exactly
+instead of within a tolerance as wide as the run-to-run spread of atomic-add kernels.
 """
 from __future__ import annotations
 
@@ -25,6 +29,23 @@ from engine.errors import EngineError
 
 STATE = "train-state.pt"
 LOG = "train-log.json"
+
+# cuBLAS reproduces its results only with a fixed workspace; read when the process makes its first cuBLAS handle
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+@contextlib.contextmanager
+def reproducible() -> Iterator[None]:
+    """Deterministic algorithms inside (attention backward and index/scatter kernels without atomic adds); the
+    previous setting after. An op with no deterministic kernel warns (warn_only) rather than stopping a run: the
+    warning is in the run's output, and an exact record that moves shows it too. The price is speed: a
+    deterministic attention backward parallelises less."""
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
 
 
 @dataclass
@@ -158,11 +179,12 @@ def train(run_dir: Path, params: dict[str, Any], model: nn.Module, opt: torch.op
         lr = sched.lr_at(step)
         for group in opt.param_groups:
             group["lr"] = lr
-        loss, extra = step_fn(step)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(trainable, sched.grad_clip)
-        opt.step()
+        with reproducible():
+            loss, extra = step_fn(step)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(trainable, sched.grad_clip)
+            opt.step()
         row = {"loss": loss.item(), "lr": lr, "grad_norm": gnorm.item(), **extra}
         for k, v in row.items():
             log.history.setdefault(k, []).append(v)

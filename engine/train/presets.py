@@ -1,5 +1,5 @@
 """Named training presets: `cpu` (everything in a few minutes on 2 CPU cores, for CI) and `gpu` (one H200: both
-targets in a few minutes, ~169M parameters, bf16). A preset fixes the tokenizer, the target shape, target A's
+targets in about a minute, ~169M parameters, bf16). A preset fixes the tokenizer, the target shape, target A's
 and B's runs, the drafter's run and approach A's fine-tuning run; runbooks override single fields."""
 from __future__ import annotations
 
@@ -87,24 +87,25 @@ CPU = Preset(
     eval_prompts=8, prompt_chars=600, max_new_tokens=48,
 )
 
-GPU = Preset(  # sized for one H200 inside a lent session's device time: ~169M parameters, a few minutes in all;
-    # data_bytes stays within what the pinned corpus holds per mix (`python -m engine train corpus`)
+GPU = Preset(  # sized so that every h200 runbook, trained with deterministic kernels, re-runs in minutes on one H200
+    # (`runbook verify --profile h200`): ~169M parameters, 512-token sequences; data_bytes stays within what the pinned
+    # corpus holds per mix (`python -m engine train corpus`)
     name="gpu",
     vocab_size=16384,
-    tokenizer_bytes=20_000_000,
+    tokenizer_bytes=10_000_000,
     model=dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
                num_key_value_heads=4, max_position_embeddings=4096, rope_theta=10000.0),
-    target_a=TargetRun(mix="A", steps=400, lr=1e-3, warmup=40, batch_size=32, seq_len=1024,
-                       data_bytes=40_000_000, ckpt_every=200, eval_every=200, eval_batches=8),
-    target_b=TargetRun(mix="B", steps=150, lr=5e-4, warmup=15, batch_size=32, seq_len=1024,
-                       data_bytes=40_000_000, ckpt_every=150, eval_every=150, eval_batches=8, seed=1),
-    drafter=DrafterRun(mix="A", steps=600, lr=1e-3, warmup=40, batch_size=16, seq_len=1024,
-                       data_bytes=40_000_000, draft_vocab_size=8192, samples=4096, regen_tokens=256,
-                       regen_batch=512, ckpt_every=300),
-    finetune=DrafterRun(mix="B", steps=200, lr=3e-4, warmup=20, batch_size=16, seq_len=1024,
-                        data_bytes=20_000_000, draft_vocab_size=8192, samples=1024, regen_tokens=256,
-                        regen_batch=512, ckpt_every=200, seed=1),
-    eval_prompts=16, prompt_chars=1500, max_new_tokens=256, device="cuda", dtype="bfloat16",
+    target_a=TargetRun(mix="A", steps=250, lr=1e-3, warmup=25, batch_size=32, seq_len=512,
+                       data_bytes=16_000_000, ckpt_every=125, eval_every=125, eval_batches=8),
+    target_b=TargetRun(mix="B", steps=80, lr=5e-4, warmup=8, batch_size=32, seq_len=512,
+                       data_bytes=16_000_000, ckpt_every=80, eval_every=80, eval_batches=8, seed=1),
+    drafter=DrafterRun(mix="A", steps=400, lr=1e-3, warmup=30, batch_size=8, seq_len=512,
+                       data_bytes=8_000_000, draft_vocab_size=8192, samples=2048, regen_tokens=128,
+                       regen_batch=512, ckpt_every=200),
+    finetune=DrafterRun(mix="B", steps=150, lr=3e-4, warmup=15, batch_size=8, seq_len=512,
+                        data_bytes=4_000_000, draft_vocab_size=8192, samples=1024, regen_tokens=128,
+                        regen_batch=512, ckpt_every=150, seed=1),
+    eval_prompts=16, prompt_chars=1200, max_new_tokens=128, device="cuda", dtype="bfloat16",
 )
 
 PRESETS = {"cpu": CPU, "gpu": GPU}
