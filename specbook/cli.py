@@ -346,8 +346,8 @@ def _refresh_docs(root: Path, ran: list[str]) -> None:
 @click.option("--all", "show_all", is_flag=True, help="List every number, not only those re-measured here or in "
               "a failing state.")
 @click.option("--gpus", default="all", show_default=True, metavar="all|N|ID,ID", help="GPUs to spread the "
-              "re-measured runbooks over, one runbook per GPU at a time, dependencies first: all visible ones, the "
-              "first N, or these ids. 1 runs them one after another, as on a CPU.")
+              "re-measured runbooks over, dependencies first: all visible ones, the first N, or these ids. A runbook "
+              "that times something has its GPU to itself; up to 3 whose numbers are all exact share one.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (no progress bar).")
 @click.pass_obj
 @click.pass_context

@@ -1,10 +1,13 @@
 """Re-measure on several GPUs at once.
 
-`runbook verify` on a machine with N GPUs runs up to N runbooks at a time, each in a child `runbook verify NAME
---profile P --json` pinned to one GPU (CUDA_VISIBLE_DEVICES), so no two measurements share a device. A runbook starts
-once the runbooks it depends on (on the same profile) have finished, which leaves their outputs built for it; among
-the ready ones the runbook with the longest chain of dependents goes first, since the chain bounds the wall time.
-The children's verdicts are merged as if one process had judged them all.
+`runbook verify` on a machine with GPUs runs each runbook in a child `runbook verify NAME --profile P --json` pinned
+to one GPU (CUDA_VISIBLE_DEVICES). A runbook that records a timing has its GPU to itself: no other measurement shares
+the device it times. A runbook whose numbers are all exact (losses, accept lengths: deterministic, whatever else runs)
+shares a GPU with up to SHARE - 1 others of its kind, which overlaps their host-side work (kernel start, data
+preparation, launches) with each other's GPU work. A runbook starts once the runbooks it depends on (on the same
+profile) have finished, which leaves their outputs built for it; among the ready ones the runbook with the longest
+chain of dependents goes first, since the chain bounds the wall time. The children's verdicts are merged as if one
+process had judged them all.
 """
 
 from __future__ import annotations
@@ -19,11 +22,15 @@ from pathlib import Path
 from typing import Callable
 
 
+SHARE = 3  # runbooks with only exact numbers at once on one GPU
+
+
 @dataclass(frozen=True)
 class Job:
     name: str
     profile: str
     after: frozenset[str]  # keys of the jobs that must finish first
+    exclusive: bool = True  # it times something: no other job on its GPU meanwhile
 
     @property
     def key(self) -> str:
@@ -56,20 +63,23 @@ def chain_lengths(jobs: list[Job]) -> dict[str, int]:
 
 
 def schedule(jobs: list[Job], slots: list[str], start: Callable[[Job, str], subprocess.Popen],
-             log: Callable[[str], None], poll_s: float = 0.2) -> list[Finished]:
-    """Run every job on one of `slots` (one job per slot at a time), dependencies first. A job whose dependency
-    failed still runs: its own verify then builds what it needs, or fails with the reason."""
+             log: Callable[[str], None], poll_s: float = 0.2, share: int = 1) -> list[Finished]:
+    """Run every job on one of `slots` (GPUs), dependencies first: an exclusive job alone on its slot, the others up
+    to `share` at a time on a slot without an exclusive one. A job whose dependency failed still runs: its own
+    verify then builds what it needs, or fails with the reason."""
     keys = {j.key for j in jobs}
-    jobs = [Job(j.name, j.profile, frozenset(a for a in j.after if a in keys)) for j in jobs]
+    jobs = [Job(j.name, j.profile, frozenset(a for a in j.after if a in keys), j.exclusive) for j in jobs]
     rank = chain_lengths(jobs)
     waiting = sorted(jobs, key=lambda j: -rank[j.key])
-    free, running, done = list(slots), {}, []
+    on: dict[str, list[Job]] = {s: [] for s in slots}  # what runs on each slot
+    running, done = {}, []
     finished_keys: set[str] = set()
     while waiting or running:
         for job in [j for j in waiting if j.after <= finished_keys]:
-            if not free:
-                break
-            slot = free.pop(0)
+            slot = _place(job, on, share)
+            if slot is None:
+                continue
+            on[slot].append(job)
             log(f"[{slot}] {job.key}: started")
             running[job.key] = (job, slot, start(job, slot), time.monotonic())
             waiting.remove(job)
@@ -81,10 +91,18 @@ def schedule(jobs: list[Job], slots: list[str], start: Callable[[Job, str], subp
             log(f"[{slot}] {key}: finished in {seconds:.0f} s (exit {proc.returncode})")
             done.append(Finished(job, proc.returncode, out, seconds, slot))
             finished_keys.add(key)
-            free.append(slot)
+            on[slot].remove(job)
             del running[key]
         time.sleep(poll_s)
     return done
+
+
+def _place(job: Job, on: dict[str, list[Job]], share: int) -> str | None:
+    """A slot the job may start on now, the least busy first; None: wait."""
+    if job.exclusive:
+        return next((s for s, jobs in on.items() if not jobs), None)
+    fits = [s for s, jobs in on.items() if len(jobs) < share and not any(j.exclusive for j in jobs)]
+    return min(fits, key=lambda s: len(on[s]), default=None)
 
 
 def verify_child(root: Path, scratch: Path, log: Callable[[str], None]) -> Callable[[Job, str], subprocess.Popen]:

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from specbook import RunFailed, SpecbookError, provenance, records
 from specbook.execute import Target, run, target
-from specbook.parallel import Job, schedule, verify_child
+from specbook.parallel import SHARE, Job, schedule, verify_child
 from specbook.provenance import canonical, sha
 from specbook.runbooks import check_name, check_profile, discover, load
 
@@ -234,7 +234,7 @@ def verify(root: Path, here: str, names: list[str] | None = None, profile: str |
         if not rf.data["profiles"] and profile in (None, here):
             groups.append([Verdict(name, here, "-", UNRECORDED)])
     todo = [g for g in groups if isinstance(g, tuple)]
-    if gpus and len(gpus) > 1 and len(todo) > 1:
+    if gpus and len(todo) > 1 and (len(gpus) > 1 or sum(not _times(prof) for _, _, prof, _ in todo) > 1):
         judged = _rerun_parallel(root, todo, gpus, log)
     else:
         judged = {(n, p): _rerun(root, n, p, prof, static, progress, log) for n, p, prof, static in todo}
@@ -244,10 +244,12 @@ def verify(root: Path, here: str, names: list[str] | None = None, profile: str |
 def _rerun_parallel(root: Path, todo: list[tuple[str, str, dict, list[Verdict]]], gpus: list[str],
                     log) -> dict[tuple[str, str], list[Verdict]]:
     """Each runbook re-measured by a child `runbook verify` on one GPU, dependencies first."""
-    jobs = [Job(n, p, frozenset(f"{d}/{p}" for d in target(root, n, p).upstream)) for n, p, _, _ in todo]
-    log(f"re-measuring {len(jobs)} runbooks on {len(gpus)} GPUs ({', '.join(gpus)}), one runbook per GPU at a time")
+    jobs = [Job(n, p, frozenset(f"{d}/{p}" for d in target(root, n, p).upstream), _times(prof))
+            for n, p, prof, _ in todo]
+    log(f"re-measuring {len(jobs)} runbooks on {len(gpus)} GPU(s) ({', '.join(gpus)}): one that times something has "
+        f"its GPU to itself, up to {SHARE} whose numbers are all exact share one")
     done = {f.job.key: f for f in schedule(jobs, gpus, verify_child(root, root / ".specbook" / "parallel", log),
-                                           log)}
+                                           log, share=SHARE)}
     out = {}
     for n, p, _, static in todo:
         f = done[f"{n}/{p}"]
@@ -258,6 +260,11 @@ def _rerun_parallel(root: Path, todo: list[tuple[str, str, dict, list[Verdict]]]
             out[(n, p)] = [_failed(v, f"its verify on GPU {f.slot} exited {f.returncode} without a verdict; "
                                       "see the log above") if v.here else v for v in static]
     return out
+
+
+def _times(prof: dict) -> bool:
+    """Whether a runbook's record holds a noisy number (a timing), which other work on its device would disturb."""
+    return any(m.get("kind") != "exact" for m in prof["metrics"].values())
 
 
 def _measure(root: Path, t: Target, progress: bool, log) -> dict[str, float]:

@@ -62,7 +62,7 @@ def test_verify_on_several_gpus_merges_the_children_verdicts(tmp_path):
     assert {(v.runbook, v.metric): v.state for v in vs} == {("up", "x"): FRESH, ("down", "x"): FRESH,
                                                             ("other", "y"): FRESH}
     assert all(v.measured is not None for v in vs)
-    assert any("re-measuring 3 runbooks on 2 GPUs" in line for line in lines)
+    assert any("re-measuring 3 runbooks on 2 GPU(s)" in line for line in lines)
     starts = [line for line in lines if line.endswith(": started")]
     assert starts[0].endswith("up/cpu: started") or starts[1].endswith("up/cpu: started")
     assert not any(line.endswith("down/cpu: started") for line in starts[:2])  # down waits for up
@@ -75,3 +75,46 @@ def test_gpus_beyond_the_visible_ones_are_bad_input(tmp_path, monkeypatch):
     assert r.exit_code == 2 and "--gpus 3: this machine has 2 visible GPU(s)" in r.stderr
     r = cli(root, "verify", "--gpus", "0,7")
     assert r.exit_code == 2 and "not among the visible GPUs (0,1)" in r.stderr
+
+
+def test_exact_only_jobs_share_a_slot_and_a_timing_job_has_its_slot_to_itself(tmp_path):
+    """On one GPU: three jobs whose numbers are exact run together; a timing job never overlaps another job."""
+    log = tmp_path / "events"
+    jobs = [Job("t1", "h200", frozenset()), Job("t2", "h200", frozenset()),
+            Job("a", "h200", frozenset(), exclusive=False), Job("b", "h200", frozenset(), exclusive=False),
+            Job("c", "h200", frozenset(), exclusive=False), Job("d", "h200", frozenset(), exclusive=False)]
+
+    def start(job: Job, slot: str) -> subprocess.Popen:
+        code = ("import sys, time; f = open(sys.argv[1], 'a'); f.write(f'start {sys.argv[2]} {time.monotonic()}\\n');"
+                " f.flush(); time.sleep(0.3); f.write(f'end {sys.argv[2]} {time.monotonic()}\\n')")
+        return subprocess.Popen([sys.executable, "-c", code, str(log), job.name])
+
+    done = schedule(jobs, ["0"], start, log=lambda m: None, poll_s=0.01, share=3)
+    assert sorted(f.job.name for f in done) == ["a", "b", "c", "d", "t1", "t2"]
+    at = {(kind, name): float(t) for kind, name, t in (line.split() for line in log.read_text().splitlines())}
+    span = {n: (at["start", n], at["end", n]) for n in ("a", "b", "c", "d", "t1", "t2")}
+
+    def overlap(x: str, y: str) -> bool:
+        return span[x][0] < span[y][1] and span[y][0] < span[x][1]
+
+    for t in ("t1", "t2"):
+        assert not any(overlap(t, o) for o in span if o != t)
+    at_once = [sum(span[n][0] <= span[x][0] < span[n][1] for n in "abcd") for x in "abcd"]
+    assert max(at_once) == 3  # shared, and SHARE caps it at three
+
+
+def test_one_gpu_shares_itself_among_runbooks_whose_numbers_are_exact(tmp_path):
+    exact = 'record("y", 3, unit="n", direction="none", kind="exact")'
+    root = make_repo(tmp_path, one=runbook_text(body=exact), two=runbook_text(body=exact))
+    for name in ("one", "two"):
+        assert cli(root, "run", name, "--record").exit_code == 0
+    lines: list[str] = []
+    vs = verify(root, "cpu", progress=False, log=lines.append, gpus=["0"])
+    assert [v.state for v in vs] == [FRESH, FRESH]
+    assert any("re-measuring 2 runbooks on 1 GPU(s)" in line for line in lines)
+    lines.clear()
+    timing = make_repo(tmp_path / "timing", one=runbook_text(), two=runbook_text())  # noisy numbers: one at a time
+    for name in ("one", "two"):
+        assert cli(timing, "run", name, "--record").exit_code == 0
+    verify(timing, "cpu", progress=False, log=lines.append, gpus=["0"])
+    assert not any("re-measuring" in line for line in lines)
