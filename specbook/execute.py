@@ -303,12 +303,16 @@ class Outcome:
     notebook: Path  # the executed notebook: docs/runbooks/executed/ for a run that records, else .specbook/executed/
 
 
-def run(root: Path, t: Target, *, record: bool, force: bool = False, progress: bool = True,
+def run(root: Path, t: Target, *, record: bool, force: bool = False, fresh: bool = False, progress: bool = True,
         log=print) -> list[Outcome]:
     """Run missing or stale dependencies (all of them with force), then `t`; record each run when `record`.
+    `fresh`: `t`'s cached outputs are removed first, so that it measures from nothing (verify): a runbook may reuse
+    what its outputs directory holds, e.g. a finished training run, which would be read back, not re-measured.
     Each target runs under its outputs directory's lock (see the module docstring)."""
     clean_stale_runs(root / RUNS)
     with _building(t, log):
+        if fresh:
+            shutil.rmtree(t.outputs_dir, ignore_errors=True)
         return _run_locked(root, t, record=record, force=force, progress=progress, log=log, ran=set())
 
 

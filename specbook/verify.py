@@ -268,7 +268,8 @@ def _times(prof: dict) -> bool:
 
 
 def _measure(root: Path, t: Target, progress: bool, log) -> dict[str, float]:
-    return {m.name: m.value for m in run(root, t, record=False, progress=progress, log=log)[-1].execution.metrics}
+    outcome = run(root, t, record=False, fresh=True, progress=progress, log=log)[-1]
+    return {m.name: m.value for m in outcome.execution.metrics}
 
 
 def _rerun(root: Path, name: str, profile: str, prof: dict, static: list[Verdict], progress: bool,

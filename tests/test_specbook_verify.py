@@ -222,3 +222,21 @@ def test_environment_changes_name_what_moved():
     assert got == ["torch 2.13.0 -> 2.14.0", "NCCL_P2P_LEVEL=SYS -> (unset)",
                    "sitecustomize active at /x/sitecustomize.py (recorded: inactive)"]
     assert environment_changes(then, {**then["provenance"]}) == []
+
+
+def test_verify_re_measures_instead_of_reading_back_cached_outputs(tmp_path):
+    """A runbook may reuse its outputs directory (a finished training run is read back, not redone): verify must
+    measure from nothing, or a cached result would be called fresh."""
+    body = '''
+        from pathlib import Path
+        cached = Path(outputs_dir) / "result"
+        if not cached.exists():
+            cached.write_text(str(value))  # "training"
+        record("y", float(cached.read_text()), unit="n", direction="none", kind="exact")
+    '''
+    root = make_repo(tmp_path, a=runbook_text(params='value = 1.0\noutputs_dir = ""', body=body))
+    assert cli(root, "run", "a", "--record").exit_code == 0
+    (cache,) = (root / ".specbook" / "outputs" / "a" / "cpu").glob("*/result")
+    cache.write_text("7")  # what a stale or tampered cache would hand back
+    r = cli(root, "verify", "a")
+    assert r.exit_code == 0 and "fresh" in r.output, r.output
