@@ -57,7 +57,6 @@ rel_tol = 0.15  # floor of the timings' relative tolerance (specbook.record deri
 
 # %%
 import gc
-from pathlib import Path
 
 import torch
 
@@ -69,7 +68,7 @@ from engine.speculate import SpecDecoder
 from engine.target_decoder import TargetDecoder
 from engine.timing import CycleStats, cycle_stats
 from engine.train.drafter import held_out_prompts
-from engine.train.layout import DrafterOutputs, TargetOutputs
+from engine.train.layout import trained_pair_dirs
 from engine.train.tokenizer import load_tokenizer
 from specbook import record
 
@@ -77,10 +76,7 @@ dev, dt = resolve_device(device), resolve_dtype(dtype)
 if dev.type == "cpu" and cpu_threads:
     torch.set_num_threads(cpu_threads)
 graphs = dev.type == "cuda"
-if not (target or "train-target" in upstream) or not (drafter or "train-drafter" in upstream):
-    raise ValueError("give -p target=DIR -p drafter=DIR, or run through `runbook run` so the upstream models arrive")
-target_dir = Path(target or TargetOutputs(upstream["train-target"]).target_a)
-drafter_dir = Path(drafter or DrafterOutputs(upstream["train-drafter"]).drafter_a)
+target_dir, drafter_dir = trained_pair_dirs(target, drafter, upstream)
 tgt = load_model(target_dir, dev, dt)
 dft = load_drafter(drafter_dir, tgt, dev, dt)
 prompts = [p[:prompt_len] for p in held_out_prompts(load_tokenizer(target_dir), n_prompts, 8 * prompt_len, "A")]

@@ -26,7 +26,7 @@ from engine.loading import load_model, random_model
 from engine.train import corpus, loop
 from engine.train import drafter as D
 from engine.train.presets import CPU, DrafterRun, TargetRun, target_config, with_overrides
-from engine.train.layout import DrafterOutputs, TargetOutputs
+from engine.train.layout import DrafterOutputs, TargetOutputs, trained_pair_dirs
 from engine.train.target import train_target, train_targets
 from engine.train.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
@@ -105,6 +105,21 @@ def test_train_targets_writes_the_layout_that_downstream_runbooks_read(world, tm
     assert load_tokenizer(out.target_a).get_vocab() == load_tokenizer(out.target_b).get_vocab() == vocab
     assert load_model(out.target_b).cfg.vocab_size == len(vocab)
     assert DrafterOutputs(str(tmp_path)).drafter_a == tmp_path / "drafter-a"
+
+
+def test_trained_pair_dirs_picks_the_given_dirs_else_the_upstream_layout(tmp_path):
+    """tree-sweep and baseline-eagle3 measure target A + drafter A from two different upstream roots, unless given
+    directories; with neither for a side they refuse, naming both ways."""
+    up = {"train-target": str(tmp_path / "t"), "train-drafter": str(tmp_path / "d")}  # `upstream` hands over strs
+    assert trained_pair_dirs("", "", up) == (tmp_path / "t" / "target-a", tmp_path / "d" / "drafter-a")
+    assert trained_pair_dirs("x/tgt", "", up) == (Path("x/tgt"), tmp_path / "d" / "drafter-a")
+    assert trained_pair_dirs("", "x/dft", up) == (tmp_path / "t" / "target-a", Path("x/dft"))
+    assert trained_pair_dirs("x/tgt", "x/dft", {}) == (Path("x/tgt"), Path("x/dft"))
+    for target, drafter, upstream in (("", "", {}), ("x/tgt", "", {"train-target": "t"}),
+                                      ("", "x/dft", {"train-drafter": "d"})):
+        with pytest.raises(ValueError, match=r"^give -p target=DIR -p drafter=DIR, or run through `runbook run` so "
+                                             r"the upstream models arrive$"):
+            trained_pair_dirs(target, drafter, upstream)
 
 
 def test_finished_run_is_reused_and_other_parameters_refused(world):
