@@ -24,7 +24,8 @@
 #   cpu: {shapes: [small, tiny], device: cpu, dtype: float32, prompt_len: 16, new_tokens: 32, repeats: 3,
 #         threads: 1, torch_profile: true, rel_tol: 0.15}
 #   h200: {shapes: [llama-3.1-8b, llama-3.2-1b], device: cuda, dtype: bfloat16, prompt_len: 128, new_tokens: 256,
-#          repeats: 3, sizes: [1, 2, 4, 8, 16, 32, 64], torch_compile: true, torch_profile: true, rel_tol: 0.1}
+#          repeats: 3, sizes: [1, 2, 4, 8, 16, 32, 64], torch_compile: true, torch_profile: true, rel_tol: 0.1,
+#          long_context: 32768}
 # timeout: 3600
 # cell_timeout: 2400
 # ```
@@ -41,6 +42,7 @@ peer = True  # also time transformers' generate on the same weights
 torch_compile = False  # also time the decode step compiled by torch.compile inside our CUDA graph
 torch_profile = False  # print torch.profiler's kernel-level table of the fastest decode step
 max_seq_len = 0  # KV-cache length; 0: what the run needs (attention reads the whole static cache every step)
+long_context = 0  # also decode the main shape after a prompt of this many tokens (0: skip)
 threads = 0  # CPU intra-op threads (0: torch's default); on shared cores more threads only contend
 rel_tol = 0.15  # floor of the timings' relative tolerance (specbook.record derives it from the samples)
 
@@ -113,6 +115,34 @@ for shape, r in results.items():
                                                           if k != "kernels") + f", {r.step_ms['kernels']:.0f} kernels")
 
 # %% [markdown]
+# ## Long context
+#
+# With `long_context`, the main shape decodes again after a prompt of that many tokens: every step then reads the
+# context's keys and values besides the weights, so the decode attention (the split-KV kernel) takes a real share of
+# the step. The bandwidth use counts both: weight bytes plus the K/V bytes of the static cache a step reads.
+
+# %%
+long = None
+if long_context:
+    cfg = BenchConfig(prompt_len=long_context, new_tokens=new_tokens, repeats=repeats, sizes=(1,), eager=False,
+                      peer=False, compile=torch_compile, torch_profile=torch_profile)
+    eng = Engine.load(shape=shapes[0], device=device, dtype=dtype, max_seq_len=cfg.cache_len())
+    long = run_bench(eng, cfg)
+    long_kv_bytes = eng.model.cache_bytes_per_token() * eng.max_seq_len  # a step reads the whole static cache
+    print(format_bench(long))
+    long_best = max(long.decode.values(), key=lambda d: d.tok_s)
+    long_bw = (long.weight_bytes + long_kv_bytes) * long_best.tok_s / (long.copy_gb_s * 1e9)  # as bench's bw_util
+    long_share = long.step_ms["attention"] / sum(long.step_ms[k] for k in ("matrix", "attention", "other")) \
+        if long.step_ms else None
+    print(f"{shapes[0]} after {long_context} tokens: {long_best.tok_s:.1f} tok/s, K/V read per step "
+          f"{long_kv_bytes / 1e9:.2f} GB, bandwidth use {long_bw:.1%}"
+          + (f", attention {long_share:.1%} of the step's kernel time" if long_share is not None else ""))
+    del eng
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+# %% [markdown]
 # ## Recorded numbers
 
 # %%
@@ -158,3 +188,15 @@ record("copy_gb_s", results[shapes[0]].copy_gb_s, unit="GB/s", direction="higher
        description="device-to-device copy bandwidth, bytes read plus written")
 for i, shape in enumerate(shapes):
     record_shape(results[shape], "" if i == 0 else f".{shape}")
+if long is not None:
+    how = "compiled in our graph" if "compiled" in long.decode else "whole step in one CUDA graph"
+    record("long_context_tok_s", long_best.tok_s, unit="tok/s", direction="higher", rel_tol=rel_tol,
+           samples=long_best.samples, description=f"{long.model}: decode tok/s after a {long_context}-token prompt, "
+                                                  f"{how}")
+    record("long_context_bw_util", long_bw, unit="fraction", direction="higher", rel_tol=rel_tol,
+           description=f"{long.model} after {long_context} tokens: (weight + K/V bytes per step) x tok/s over the "
+                       "measured copy bandwidth")
+    if long_share is not None:
+        record("long_context_attention_share", long_share, unit="fraction", direction="none", kind="noisy",
+               rel_tol=rel_tol, description=f"{long.model} after {long_context} tokens: decode attention's share of "
+                                            "the step's kernel time")
