@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from specbook import SpecbookError, provenance, records
 from specbook.execute import Target, target
 from specbook.execute import run as run_target
 from specbook.runbooks import check_name, check_profile, discover, find_root, load, parse_cli
-from specbook.verify import (FAILED, FAILING, INVALID, STALE, STATES, Verdict, age, drift, exit_code, status,
+from specbook.verify import (FAILED, FAILING, INVALID, STALE, STATES, Verdict, age, drift, exit_code, plan, status,
                              verify)
 
 # Exit codes: the same meanings as `python -m engine`'s (engine/cli_options.py); tests/test_cli_conventions.py holds
@@ -348,16 +348,22 @@ def _refresh_docs(root: Path, ran: list[str]) -> None:
 @click.option("--gpus", default="all", show_default=True, metavar="all|N|ID,ID", help="GPUs to spread the "
               "re-measured runbooks over, dependencies first: all visible ones, the first N, or these ids. A runbook "
               "that times something has its GPU to itself; up to 3 whose numbers are all exact share one.")
+@click.option("--plan", "plan_only", is_flag=True, help="Run nothing: list what would be re-measured, the cell "
+              "time of each runbook's recorded run and the estimated wall time on --gpus. With --profile it plans "
+              "for that profile's machine, e.g. an h200 verify from a laptop (--gpus N: N such GPUs).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (no progress bar).")
 @click.pass_obj
 @click.pass_context
 def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str | None, docs: bool, show_all: bool,
-            gpus: str, as_json: bool) -> None:
+            gpus: str, plan_only: bool, as_json: bool) -> None:
     """Re-run what can run here and judge each number against its record: a noisy one (a timing) within its
     tolerance (derived from the recorded samples, at most 25%; outside it, two of three measurements decide, and
     with changed code they run interleaved with the recorded commit's engine), an exact one to within 0.1%."""
     root = obj.root
     here = provenance.detect_profile()
+    if plan_only:
+        _print_plan(root, profile or here, list(names) or None, profile, gpus, as_json)
+        return
     ids = _gpu_ids(gpus)
     verdicts = verify(root, here, list(names) or None, profile, progress=not as_json, log=_log, gpus=ids)
     code = exit_code(verdicts)
@@ -371,6 +377,32 @@ def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str |
     _emit(as_json, {"profile": here, "verdicts": [v.as_dict() for v in verdicts], "docs": problems,
                     "exit_code": code}, text)
     ctx.exit(code)
+
+
+def _print_plan(root: Path, machine: str, names: list[str] | None, profile: str | None, gpus: str,
+                as_json: bool) -> None:
+    """`verify --plan`: the runbooks a verify on `machine` would re-measure and how long that should take."""
+    if gpus == "all":  # this machine's GPUs; planning for another profile's machine: one GPU unless told
+        ids = _gpu_ids(gpus) or ([] if profile is None else ["0"])
+    elif gpus.isdigit() and int(gpus) >= 1:
+        ids = [str(i) for i in range(int(gpus))]
+    else:
+        ids = [g.strip() for g in gpus.split(",") if g.strip()]
+        if not ids:
+            raise SpecbookError(f"--gpus {gpus}: give all, a count or ids")
+    planned, wall, total = plan(root, machine, names, profile, ids)
+    rows = [[x.runbook, x.profile, "shared" if x.shares_gpu else "alone",
+             "-" if x.seconds is None else f"{x.seconds / 60:.1f} min", ", ".join(x.after) or "-"] for x in planned]
+    unknown = [x.runbook for x in planned if x.seconds is None]
+    text = _table(["runbook", "profile", "gpu", "recorded run", "waits for"], rows) + "\n" if rows else ""
+    where = f"on {len(ids)} GPU(s)" if ids else "here, one runbook at a time"
+    text += (f"estimated wall time {where}: {wall / 60:.1f} min (cell time of the recorded runs; runbooks sharing a "
+             f"GPU taken as not slowing each other; each run also starts a kernel); one after another: "
+             f"{total / 60:.1f} min") if planned else f"nothing to re-measure on {machine}"
+    if unknown:
+        text += f"\nno executed notebook (counted as 0): {', '.join(unknown)}"
+    _emit(as_json, {"machine": machine, "gpus": ids, "plan": [asdict(x) for x in planned], "estimate_s": wall,
+                    "sum_s": total}, text)
 
 
 def _gpu_ids(spec: str) -> list[str]:

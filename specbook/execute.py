@@ -303,6 +303,16 @@ class Outcome:
     notebook: Path  # the executed notebook: docs/runbooks/executed/ for a run that records, else .specbook/executed/
 
 
+def notebook_seconds(path: Path) -> float | None:
+    """Seconds the cells of an executed notebook ran (papermill's per-cell durations); None without the notebook.
+    The kernel's start is not in it: a few seconds more per run."""
+    try:
+        cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return sum(c.get("metadata", {}).get("papermill", {}).get("duration") or 0.0 for c in cells)
+
+
 def run(root: Path, t: Target, *, record: bool, force: bool = False, fresh: bool = False, progress: bool = True,
         log=print) -> list[Outcome]:
     """Run missing or stale dependencies (all of them with force), then `t`; record each run when `record`.

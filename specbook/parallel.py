@@ -97,6 +97,35 @@ def schedule(jobs: list[Job], slots: list[str], start: Callable[[Job, str], subp
     return done
 
 
+def estimate(jobs: list[Job], slots: list[str], seconds: dict[str, float], share: int = 1) -> float:
+    """Wall seconds `schedule` would take if each job ran as long as `seconds` says (0 where unknown) and jobs that
+    share a slot did not slow each other: the same order and placement, simulated. A lower bound for shared jobs
+    (they compete for the GPU), exact for the others."""
+    if not slots:
+        raise ValueError("no slot to run on")
+    keys = {j.key for j in jobs}
+    jobs = [Job(j.name, j.profile, frozenset(a for a in j.after if a in keys), j.exclusive) for j in jobs]
+    rank = chain_lengths(jobs)
+    waiting = sorted(jobs, key=lambda j: -rank[j.key])
+    on: dict[str, list[Job]] = {s: [] for s in slots}
+    running: list[tuple[float, Job, str]] = []
+    finished: set[str] = set()
+    now = 0.0
+    while waiting or running:
+        for job in [j for j in waiting if j.after <= finished]:
+            slot = _place(job, on, share)
+            if slot is not None:
+                on[slot].append(job)
+                running.append((now + seconds.get(job.key, 0.0), job, slot))
+                waiting.remove(job)
+        now = min(end for end, _, _ in running)
+        for item in [r for r in running if r[0] <= now]:
+            running.remove(item)
+            on[item[2]].remove(item[1])
+            finished.add(item[1].key)
+    return now
+
+
 def _place(job: Job, on: dict[str, list[Job]], share: int) -> str | None:
     """A slot the job may start on now, the least busy first; None: wait."""
     if job.exclusive:

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specbook import RunFailed, SpecbookError, provenance, records
-from specbook.execute import Target, run, target
-from specbook.parallel import SHARE, Job, schedule, verify_child
+from specbook.execute import EXECUTED, Target, notebook_seconds, run, target
+from specbook.parallel import SHARE, Job, estimate, schedule, verify_child
 from specbook.provenance import canonical, sha
 from specbook.runbooks import check_name, check_profile, discover, load
 
@@ -217,9 +217,23 @@ def verify(root: Path, here: str, names: list[str] | None = None, profile: str |
            progress: bool = True, log: Callable[[str], None] = print, gpus: list[str] | None = None) -> list[Verdict]:
     """Re-run every runbook with measured numbers on this machine's profiles and judge; report the others. With
     more than one of `gpus`, the runbooks are spread over them (see specbook.parallel)."""
+    groups = _groups(root, here, names, profile)
+    todo = [g for g in groups if isinstance(g, tuple)]
+    if gpus and len(todo) > 1 and (len(gpus) > 1 or sum(not _times(prof) for _, _, prof, _ in todo) > 1):
+        judged = _rerun_parallel(root, todo, gpus, log)
+    else:
+        judged = {(n, p): _rerun(root, n, p, prof, static, progress, log) for n, p, prof, static in todo}
+    return [v for g in groups for v in (judged[g[:2]] if isinstance(g, tuple) else g)]
+
+
+Group = list[Verdict] | tuple[str, str, dict, list[Verdict]]  # judged without running, or (name, profile, ...) to run
+
+
+def _groups(root: Path, here: str, names: list[str] | None, profile: str | None) -> list[Group]:
+    """Per runbook and profile: its verdicts when nothing there can be re-measured here, else what to re-run."""
     if profile is not None:
         check_profile(root, profile)
-    groups: list[list[Verdict] | tuple[str, str, dict, list[Verdict]]] = []
+    groups: list[Group] = []
     cache: dict = {}
     for name in _names(root, names):
         rf = records.load(records.path_for(root, name))
@@ -233,12 +247,34 @@ def verify(root: Path, here: str, names: list[str] | None = None, profile: str |
                 groups.append((name, pname, prof, static))
         if not rf.data["profiles"] and profile in (None, here):
             groups.append([Verdict(name, here, "-", UNRECORDED)])
-    todo = [g for g in groups if isinstance(g, tuple)]
-    if gpus and len(todo) > 1 and (len(gpus) > 1 or sum(not _times(prof) for _, _, prof, _ in todo) > 1):
-        judged = _rerun_parallel(root, todo, gpus, log)
-    else:
-        judged = {(n, p): _rerun(root, n, p, prof, static, progress, log) for n, p, prof, static in todo}
-    return [v for g in groups for v in (judged[g[:2]] if isinstance(g, tuple) else g)]
+    return groups
+
+
+@dataclass
+class Planned:
+    """A runbook `verify` would re-measure here, and how long its recorded run's cells took."""
+    runbook: str
+    profile: str
+    shares_gpu: bool  # every number exact: it may share a GPU with others of its kind
+    seconds: float | None  # the executed notebook's cell time; None when there is none
+    after: list[str]  # runbooks (same profile) it waits for
+
+
+def plan(root: Path, here: str, names: list[str] | None = None, profile: str | None = None,
+         gpus: list[str] | None = None) -> tuple[list[Planned], float, float]:
+    """What `verify` would re-measure here, without running anything: the runbooks, each with the cell time of its
+    recorded run, then the estimated wall seconds on `gpus` (the scheduler simulated, runbooks sharing a GPU taken
+    as not slowing each other) and the plain sum (one after another)."""
+    todo = [g for g in _groups(root, here, names, profile) if isinstance(g, tuple)]
+    keys = {(n, p) for n, p, _, _ in todo}
+    out = [Planned(n, p, not _times(prof), notebook_seconds(root / EXECUTED / f"{n}-{p}.ipynb"),
+                   [d for d in target(root, n, p).upstream if (d, p) in keys]) for n, p, prof, _ in todo]
+    seconds = {f"{x.runbook}/{x.profile}": x.seconds or 0.0 for x in out}
+    total = sum(seconds.values())
+    if not gpus:
+        return out, total, total
+    jobs = [Job(x.runbook, x.profile, frozenset(f"{d}/{x.profile}" for d in x.after), not x.shares_gpu) for x in out]
+    return out, estimate(jobs, gpus, seconds, share=SHARE), total
 
 
 def _rerun_parallel(root: Path, todo: list[tuple[str, str, dict, list[Verdict]]], gpus: list[str],

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from specbook.parallel import Job, chain_lengths, schedule
+from specbook.parallel import Job, chain_lengths, estimate, schedule
 from specbook.verify import FRESH, verify
 from specbook_testing import cli, make_repo, runbook_text
 
@@ -118,3 +118,37 @@ def test_one_gpu_shares_itself_among_runbooks_whose_numbers_are_exact(tmp_path):
         assert cli(timing, "run", name, "--record").exit_code == 0
     verify(timing, "cpu", progress=False, log=lines.append, gpus=["0"])
     assert not any("re-measuring" in line for line in lines)
+
+
+def test_estimate_simulates_the_schedule():
+    """Hand-computed: one GPU, two timing jobs of 10 s, a training chain target (4 s) -> drafter (6 s), and two
+    exact jobs of 5 s after the drafter. The chain goes first (longest), the exact jobs overlap, the timing jobs
+    run alone: 4 + 6 + 5 + 10 + 10 = 35 s. On two GPUs the timing jobs run beside the chain: max(4 + 6 + 5, 20)."""
+    e = lambda *a: frozenset(f"{x}/h200" for x in a)  # noqa: E731
+    jobs = [Job("t1", "h200", e()), Job("t2", "h200", e()), Job("target", "h200", e(), exclusive=False),
+            Job("drafter", "h200", e("target"), exclusive=False), Job("a", "h200", e("drafter"), exclusive=False),
+            Job("b", "h200", e("drafter"), exclusive=False)]
+    secs = {"t1/h200": 10, "t2/h200": 10, "target/h200": 4, "drafter/h200": 6, "a/h200": 5, "b/h200": 5}
+    assert estimate(jobs, ["0"], secs, share=3) == 35
+    assert estimate(jobs, ["0"], secs, share=1) == 40  # nothing shares: a and b one after the other
+    assert estimate(jobs, ["0", "1"], secs, share=3) == 20
+    assert estimate(jobs, ["0"], {}, share=3) == 0  # unknown durations count as nothing
+
+
+def test_verify_plan_lists_what_would_run_and_runs_nothing(tmp_path):
+    exact = 'record("y", 3, unit="n", direction="none", kind="exact")'
+    root = make_repo(tmp_path, up=runbook_text(body=exact), down=runbook_text(extra_header="depends: [up]"))
+    assert cli(root, "run", "down", "--record").exit_code == 0
+    runs_before = sorted((root / ".specbook").rglob("*"))
+    r = cli(root, "verify", "--plan", "--gpus", "2", "--json")
+    assert r.exit_code == 0, r.output
+    import json
+
+    d = json.loads(r.stdout)
+    by_name = {x["runbook"]: x for x in d["plan"]}
+    assert set(by_name) == {"up", "down"} and by_name["down"]["after"] == ["up"]
+    assert by_name["up"]["shares_gpu"] and not by_name["down"]["shares_gpu"]
+    assert all(x["seconds"] is not None and x["seconds"] >= 0 for x in d["plan"])
+    assert d["sum_s"] == sum(x["seconds"] for x in d["plan"]) and d["gpus"] == ["0", "1"]
+    assert sorted((root / ".specbook").rglob("*")) == runs_before  # nothing ran
+    assert cli(root, "verify", "--plan", "--gpus", ",").exit_code == 2
