@@ -84,6 +84,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     if rep == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[None, None],
                                               is_causal=mask is None)
+    if mask is None and q.is_cuda:  # training: flash attention takes GQA and causality itself, and its backward has
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # a deterministic mode
     if mask is None:
         mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=q.device).tril()
     y = F.scaled_dot_product_attention(q.reshape(B, kv, rep * T, D), k, v, attn_mask=mask.repeat(rep, 1)[None, None])

@@ -38,7 +38,8 @@ prompt_len = 16
 new_tokens = 32
 repeats = 3  # timed generations per variant; the median is recorded
 sizes = [1, 2, 4, 8]  # token counts T of the forward-cost sweep (must include 1 and 8)
-peer = True  # also time transformers' generate on the same weights
+peer = True  # also time transformers' generate on the same weights (main shape)
+eager = True  # also time the decode without CUDA graphs (main shape; on CPU nothing is captured anyway)
 torch_compile = False  # also time the decode step compiled by torch.compile inside our CUDA graph
 torch_profile = False  # print torch.profiler's kernel-level table of the fastest decode step
 max_seq_len = 0  # KV-cache length; 0: what the run needs (attention reads the whole static cache every step)
@@ -58,9 +59,10 @@ from specbook import record
 if threads:
     torch.set_num_threads(threads)
 results = {}
-for shape in shapes:
-    cfg = BenchConfig(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, sizes=tuple(sizes), peer=peer,
-                      compile=torch_compile, torch_profile=torch_profile)
+for i, shape in enumerate(shapes):  # the eager decode and the peer are the main shape's: the others' add only time
+    cfg = BenchConfig(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, sizes=tuple(sizes),
+                      peer=peer and i == 0, eager=eager and i == 0, compile=torch_compile,
+                      torch_profile=torch_profile)
     eng = Engine.load(shape=shape, device=device, dtype=dtype, max_seq_len=max_seq_len or cfg.cache_len())
     results[shape] = run_bench(eng, cfg)
     print(format_bench(results[shape]), end="\n\n")
@@ -125,7 +127,7 @@ for shape, r in results.items():
 long = None
 if long_context:
     cfg = BenchConfig(prompt_len=long_context, new_tokens=new_tokens, repeats=repeats, sizes=(1,), eager=False,
-                      peer=False, compile=torch_compile, torch_profile=torch_profile)
+                      peer=False, compile=torch_compile, plain=not torch_compile, torch_profile=torch_profile)
     eng = Engine.load(shape=shapes[0], device=device, dtype=dtype, max_seq_len=cfg.cache_len())
     long = run_bench(eng, cfg)
     long_kv_bytes = eng.model.cache_bytes_per_token() * eng.max_seq_len  # a step reads the whole static cache

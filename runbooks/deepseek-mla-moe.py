@@ -24,7 +24,7 @@
 #   cpu: {shape: deepseek-v3-tiny, device: cpu, dtype: float32, prompt_len: 16, new_tokens: 24, repeats: 3,
 #         max_seq_len: 128, rel_tol: 0.15}
 #   h200: {shape: deepseek-v3-mini, device: cuda, dtype: bfloat16, prompt_len: 128, new_tokens: 128, repeats: 3,
-#          max_seq_len: 1024, rel_tol: 0.15}
+#          max_seq_len: 1024, torch_compile: true, torch_profile: true, rel_tol: 0.15}
 # timeout: 1800
 # cell_timeout: 1200
 # ```
@@ -38,6 +38,8 @@ new_tokens = 24
 repeats = 3  # timed generations per variant; the median is recorded
 steps = 7  # EAGLE-3 chain: draft steps per cycle (steps + 1 tokens verified)
 max_seq_len = 128
+torch_compile = False  # also time the decode with the forward through torch.compile inside the graph
+torch_profile = False  # split the fastest decode step's kernel time: matrix, attention, other (the profiler)
 rel_tol = 0.15  # floor of the timings' relative tolerance (specbook.record derives it from the samples)
 
 # %%
@@ -58,7 +60,7 @@ model = eng.model
 if not model.cfg.is_mla:
     raise ValueError(f"shape {shape!r} is not a DeepSeek-V3-family shape")
 r = run_bench(eng, BenchConfig(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, sizes=(1, 8),
-                               peer=False))
+                               peer=False, compile=torch_compile, torch_profile=torch_profile))
 print(format_bench(r))
 
 # %% [markdown]
@@ -136,6 +138,19 @@ record("cycle_over_decode", graph_cycle / decode_ms, unit="x", direction="lower"
        description="captured cycle over a graph decode step")
 record("eager_cycle_over_decode", eager_cycle / decode_ms, unit="x", direction="lower", rel_tol=rel_tol,
        description="eager-verify cycle over a graph decode step (game plan: ~30 ms / 12 ms = 2.5x)")
+if "compiled" in r.decode:
+    c = r.decode["compiled"]
+    record("compiled_decode_tok_s", c.tok_s, unit="tok/s", direction="higher", rel_tol=rel_tol, samples=c.samples,
+           description="decode tok/s, forward through torch.compile inside the CUDA graph")
+    record("compiled_bw_util", c.bw_util, unit="fraction", direction="higher", rel_tol=rel_tol,
+           description="compiled decode: bytes of the weights a token reads (active experts only) x tok/s over the "
+                       "copy bandwidth")
+if r.step_ms:  # where the fastest step's kernel time goes
+    for kind in ("matrix", "attention", "other"):
+        record(f"step_{kind}_ms", r.step_ms[kind], unit="ms", direction="lower", rel_tol=rel_tol,
+               description=f"{kind} kernel time of one decode step ({r.profiled})")
+    record("step_kernels", r.step_ms["kernels"], unit="kernels", direction="lower", kind="noisy", rel_tol=rel_tol,
+           description=f"kernels launched per decode step ({r.profiled}): MoE routing and experts add launches")
 record("weight_gb", r.weight_bytes / 1e9, unit="GB", direction="none",
        description="weight bytes read per decode token, active experts only")
 record("cache_bytes_per_token", mini.latent, unit="B", direction="none",

@@ -81,8 +81,8 @@ upstream: dict = {}
 if backend not in ("bundled", "sglang"):
     raise ValueError(f"backend must be bundled (the miniature pair) or sglang (real checkpoints), got {backend!r}")
 at_scale = backend == "sglang"
-# GPU training is not bit-reproducible and served runs vary: their results are noisy; on CPU they are exact
-kind = "noisy" if at_scale else "exact"  # the miniature trains with deterministic kernels, GPU too
+# served runs vary, so their results are noisy; the miniature trains with deterministic kernels on every device
+kind = "noisy" if at_scale else "exact"
 if at_scale:
     import sys
     from pathlib import Path

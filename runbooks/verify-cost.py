@@ -29,7 +29,7 @@
 shape = "tiny"
 device = "cpu"
 dtype = "float32"
-max_steps = 8  # chains of k = 1 .. max_steps draft steps
+max_steps = 8  # chains of 1 to max_steps draft steps
 trees = [[3, 2, 6], [4, 4, 12]]  # [steps, topk, draft_tokens] of each tree
 prompt_len = 16
 new_tokens = 32

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.bench import BenchConfig, run_bench
+from engine.bench import BenchConfig, format_bench, run_bench
 from engine.config import ModelConfig
 from engine.decoding import cut_at_stop
 from engine.errors import EngineError
@@ -136,6 +136,26 @@ def test_bench_reports_a_failed_compile_and_keeps_the_other_numbers(monkeypatch)
     r = run_bench(eng, BenchConfig(prompt_len=8, new_tokens=8, repeats=1, sizes=(1,), eager=False, peer=False,
                                    compile=True))
     assert r.errors == {"compiled": "RuntimeError: inductor unavailable"} and set(r.decode) == {"graph"}
+    with pytest.raises(EngineError, match="inductor unavailable"):  # nothing left to report: say why
+        run_bench(eng, BenchConfig(prompt_len=8, new_tokens=8, repeats=1, sizes=(1,), eager=False, peer=False,
+                                   compile=True, plain=False))
+
+
+def test_bench_times_the_compiled_decode_alone_when_asked(monkeypatch):
+    """plain=False (the long-context run): only the compiled decode is timed, and it is what gets profiled."""
+    calls = []
+
+    def counting_compile(fn, **kwargs):
+        calls.append(fn)
+        return fn  # the layer runs as written: what is tested is which decoders run_bench builds
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    eng = Engine.load(shape="tiny", max_seq_len=64)
+    r = run_bench(eng, BenchConfig(prompt_len=8, new_tokens=8, repeats=1, sizes=(1,), eager=False, peer=False,
+                                   compile=True, plain=False, torch_profile=True))
+    assert set(r.decode) == {"compiled"} and calls and r.profiled == "eager"  # on CPU the step runs eagerly
+    text = format_bench(r)
+    assert "\ncompiled " in text and "\ngraph " not in text and "the compiled step spends" in text
 
 
 def test_compiled_decode_compiles_one_layer_for_the_whole_stack():

@@ -36,12 +36,13 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 @contextlib.contextmanager
 def reproducible() -> Iterator[None]:
-    """Deterministic algorithms inside (attention backward and index/scatter kernels without atomic adds); the
-    previous setting after. An op with no deterministic kernel warns (warn_only) rather than stopping a run: the
-    warning is in the run's output, and an exact record that moves shows it too. The price is speed: a
-    deterministic attention backward parallelises less."""
+    """Deterministic algorithms inside, strictly: an op without a deterministic kernel raises instead of warning.
+    Strict mode is what makes attention reproducible: SDPA then leaves out cuDNN's attention (no deterministic
+    backward) and runs flash / memory-efficient attention with their deterministic backward, which they use only when
+    warnings are not allowed. The previous setting is restored after. The price is speed: a deterministic backward
+    parallelises less."""
     was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True)
     try:
         yield
     finally:
