@@ -167,12 +167,14 @@ def _git(root: Path, *args: str) -> str | None:
 
 
 def _git_state(root: Path) -> tuple[str | None, bool]:
-    """Commit and dirty flag. A copy of the working tree without .git (a lent GPU machine) gets them from
-    SPECBOOK_GIT_COMMIT / SPECBOOK_GIT_DIRTY, set by whoever sent the copy."""
+    """Commit and dirty flag. A copy of the working tree sent to another machine (a lent GPU) names them in
+    SPECBOOK_GIT_COMMIT / SPECBOOK_GIT_DIRTY: the sender knows what it sent, while a .git that came along may be of
+    an older commit (its HEAD, with the sent files as uncommitted changes). Without them, git itself."""
+    sent = os.environ.get("SPECBOOK_GIT_COMMIT")
+    if sent:
+        return sent, os.environ.get("SPECBOOK_GIT_DIRTY", "0") not in ("", "0")
     commit = _git(root, "rev-parse", "HEAD")
-    if commit is not None:
-        return commit, bool(_git(root, "status", "--porcelain"))
-    return os.environ.get("SPECBOOK_GIT_COMMIT"), os.environ.get("SPECBOOK_GIT_DIRTY", "0") not in ("", "0")
+    return commit, commit is not None and bool(_git(root, "status", "--porcelain"))
 
 
 def _version(dist: str) -> str | None:

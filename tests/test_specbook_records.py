@@ -193,3 +193,28 @@ def test_record_api(tmp_path, monkeypatch, capsys):
 def test_record_rejects_bad_input(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make_metric(unit="u", **kwargs)
+
+
+def test_a_sent_copy_is_named_by_its_sender_not_by_the_git_that_came_along(tmp_path, monkeypatch):
+    """A lent GPU machine may receive a .git at an older commit plus the sent files as changes; the records must
+    name the commit that was sent (SPECBOOK_GIT_COMMIT), not that HEAD marked dirty. Without it: git itself."""
+    from specbook.provenance import _git_state
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "f").write_text("old\n")
+    git("add", "f")
+    git("commit", "-qm", "old")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    (tmp_path / "f").write_text("sent\n")
+    monkeypatch.delenv("SPECBOOK_GIT_COMMIT", raising=False)
+    monkeypatch.delenv("SPECBOOK_GIT_DIRTY", raising=False)
+    assert _git_state(tmp_path) == (head, True)
+    monkeypatch.setenv("SPECBOOK_GIT_COMMIT", "0123abc")
+    monkeypatch.setenv("SPECBOOK_GIT_DIRTY", "0")
+    assert _git_state(tmp_path) == ("0123abc", False)
+    monkeypatch.setenv("SPECBOOK_GIT_DIRTY", "1")
+    assert _git_state(tmp_path) == ("0123abc", True)
