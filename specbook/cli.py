@@ -392,13 +392,18 @@ def _print_plan(root: Path, machine: str, names: list[str] | None, profile: str 
             raise SpecbookError(f"--gpus {gpus}: give all, a count or ids")
     planned, wall, total = plan(root, machine, names, profile, ids)
     rows = [[x.runbook, x.profile, "shared" if x.shares_gpu else "alone",
-             "-" if x.seconds is None else f"{x.seconds / 60:.1f} min", ", ".join(x.after) or "-"] for x in planned]
+             "-" if x.seconds is None else f"{x.seconds / 60:.1f} min" + (" (cells)" if x.timed == "cells" else ""),
+             ", ".join(x.after) or "-"] for x in planned]
     unknown = [x.runbook for x in planned if x.seconds is None]
+    cells = [x.runbook for x in planned if x.timed == "cells"]
     text = _table(["runbook", "profile", "gpu", "recorded run", "waits for"], rows) + "\n" if rows else ""
     where = f"on {len(ids)} GPU(s)" if ids else "here, one runbook at a time"
-    text += (f"estimated wall time {where}: {wall / 60:.1f} min (cell time of the recorded runs; runbooks sharing a "
-             f"GPU taken as not slowing each other; each run also starts a kernel); one after another: "
-             f"{total / 60:.1f} min") if planned else f"nothing to re-measure on {machine}"
+    text += (f"estimated wall time {where}: {wall / 60:.1f} min (the recorded runs' wall times, cell times where "
+             f"marked; runbooks sharing a GPU taken as not slowing each other); one after another: {total / 60:.1f} min"
+             ) if planned else f"nothing to re-measure on {machine}"
+    if cells:
+        text += (f"\n(cells): recorded before runs kept their wall time, so only the cells count, not the process "
+                 f"and kernel starts: {', '.join(cells)}")
     if unknown:
         text += f"\nno executed notebook (counted as 0): {', '.join(unknown)}"
     _emit(as_json, {"machine": machine, "gpus": ids, "plan": [asdict(x) for x in planned], "estimate_s": wall,

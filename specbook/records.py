@@ -162,6 +162,8 @@ def _check_run(run: Any, where: str, bad) -> None:
         raise bad(where, f"date {run.get('date')!r} is not an ISO date like 2026-11-29T14:40:00Z") from None
     if not isinstance(run.get("provenance"), dict):
         raise bad(where, "needs a provenance mapping")
+    if "seconds" in run and not (_is_number(run["seconds"]) and run["seconds"] >= 0):
+        raise bad(where, f"seconds must be a number of seconds, not {run['seconds']!r}")
     if run["source"] == "measured" and not (isinstance(run.get("inputs_hash"), str)
                                             and isinstance(run.get("parameters"), dict)):
         raise bad(where, "a measured run needs inputs_hash (string) and parameters (mapping)")

@@ -252,23 +252,37 @@ def _groups(root: Path, here: str, names: list[str] | None, profile: str | None)
 
 @dataclass
 class Planned:
-    """A runbook `verify` would re-measure here, and how long its recorded run's cells took."""
+    """A runbook `verify` would re-measure here, and how long its recorded run took."""
     runbook: str
     profile: str
     shares_gpu: bool  # every number exact: it may share a GPU with others of its kind
-    seconds: float | None  # the executed notebook's cell time; None when there is none
+    seconds: float | None  # the recorded run's wall time, else its executed notebook's cell time; None: neither
     after: list[str]  # runbooks (same profile) it waits for
+    timed: str = "run"  # what `seconds` is: "run" (the whole run), "cells" (cells only: an older record), "none"
+
+
+def recorded_seconds(root: Path, name: str, profile: str, prof: dict) -> tuple[float | None, str]:
+    """How long the run behind a profile's record took: its wall time where the record keeps it (runs recorded
+    since it does), else the cell time of its executed notebook (the process and kernel starts left out)."""
+    run = records.run_of(prof, next(iter(prof["metrics"].values()))["run"]) if prof.get("metrics") else {}
+    if isinstance(run.get("seconds"), (int, float)):
+        return float(run["seconds"]), "run"
+    cells = notebook_seconds(root / EXECUTED / f"{name}-{profile}.ipynb")
+    return cells, "none" if cells is None else "cells"
 
 
 def plan(root: Path, here: str, names: list[str] | None = None, profile: str | None = None,
          gpus: list[str] | None = None) -> tuple[list[Planned], float, float]:
-    """What `verify` would re-measure here, without running anything: the runbooks, each with the cell time of its
-    recorded run, then the estimated wall seconds on `gpus` (the scheduler simulated, runbooks sharing a GPU taken
-    as not slowing each other) and the plain sum (one after another)."""
+    """What `verify` would re-measure here, without running anything: the runbooks, each with the time its
+    recorded run took (recorded_seconds), then the estimated wall seconds on `gpus` (the scheduler simulated,
+    runbooks sharing a GPU taken as not slowing each other) and the plain sum (one after another)."""
     todo = [g for g in _groups(root, here, names, profile) if isinstance(g, tuple)]
     keys = {(n, p) for n, p, _, _ in todo}
-    out = [Planned(n, p, not _times(prof), notebook_seconds(root / EXECUTED / f"{n}-{p}.ipynb"),
-                   [d for d in target(root, n, p).upstream if (d, p) in keys]) for n, p, prof, _ in todo]
+    out = []
+    for n, p, prof, _ in todo:
+        seconds, timed = recorded_seconds(root, n, p, prof)
+        out.append(Planned(n, p, not _times(prof), seconds,
+                           [d for d in target(root, n, p).upstream if (d, p) in keys], timed))
     seconds = {f"{x.runbook}/{x.profile}": x.seconds or 0.0 for x in out}
     total = sum(seconds.values())
     if not gpus:

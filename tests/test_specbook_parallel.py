@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import yaml
+
 from specbook.parallel import Job, chain_lengths, estimate, schedule
 from specbook.verify import FRESH, verify
 from specbook_testing import cli, make_repo, runbook_text
@@ -152,3 +154,12 @@ def test_verify_plan_lists_what_would_run_and_runs_nothing(tmp_path):
     assert d["sum_s"] == sum(x["seconds"] for x in d["plan"]) and d["gpus"] == ["0", "1"]
     assert sorted((root / ".specbook").rglob("*")) == runs_before  # nothing ran
     assert cli(root, "verify", "--plan", "--gpus", ",").exit_code == 2
+    # the records keep each run's wall time, which is what the plan adds up; an older record without it falls
+    # back to its executed notebook's cell time, and says so
+    rec = yaml.safe_load((root / "baselines" / "up.yaml").read_text())
+    run = rec["profiles"]["cpu"]["runs"][-1]
+    assert by_name["up"]["timed"] == "run" and by_name["up"]["seconds"] == run["seconds"] > 0
+    del run["seconds"]
+    (root / "baselines" / "up.yaml").write_text(yaml.safe_dump(rec))
+    r = cli(root, "verify", "--plan")
+    assert r.exit_code == 0 and "(cells)" in r.stdout and "up" in r.stdout.split("(cells):")[1]

@@ -56,6 +56,8 @@ def test_malformed_yaml_names_file_and_line(root):
     (lambda d: d["profiles"]["cpu"]["runs"][0].pop("inputs_hash"), "a measured run needs inputs_hash"),
     (lambda d: d["profiles"]["cpu"]["runs"][0].update(date="yesterday"), "'yesterday' is not an ISO date"),
     (lambda d: d["profiles"]["cpu"]["runs"][0].pop("date"), "None is not an ISO date"),
+    (lambda d: d["profiles"]["cpu"]["runs"][0].update(seconds=-3), "seconds must be a number of seconds"),
+    (lambda d: d["profiles"]["cpu"]["runs"][0].update(seconds="long"), "seconds must be a number of seconds"),
 ])
 def test_schema_errors_are_one_line(root, edit, message):
     records.add_run(root, "b", "cpu", _run(1), [Metric("x", 1.0, "ms", "lower")])
