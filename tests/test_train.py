@@ -378,3 +378,26 @@ def test_gpu_training_reproduces_its_losses_bit_for_bit(world, tmp_path):
     drafters = [D.train_drafter(tmp_path / f"d{i}", drafter_run(steps=12), targets[0].path, device="cuda")
                 for i in (0, 1)]
     assert drafters[0].log.history["loss"] == drafters[1].log.history["loss"]
+
+
+def test_profile_train_script_times_and_profiles_a_step(capsys):
+    """scripts/profile-train.py (the diagnostic for a lent GPU): ms per step in both modes and the ops with the most
+    self time, as JSON; bad arguments exit 2."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "profile-train.py"
+    spec = importlib.util.spec_from_file_location("profile_train", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--preset", "cpu", "--what", "target", "--device", "cpu", "--steps", "1", "--warmup", "0",
+                     "--profile-steps", "1", "--rows", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    r = out["target"]
+    assert set(out) == {"preset", "family", "device", "target"} and out["device"] == "cpu"
+    assert r["deterministic_ms"] > 0 and r["default_ms"] > 0 and len(r["ops"]) == 3
+    assert r["ops"][0]["self_ms"] >= r["ops"][-1]["self_ms"] > 0 and all(op["name"] for op in r["ops"])
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--steps", "0"])
+    assert e.value.code == 2
