@@ -293,6 +293,9 @@ def _conclusion(root: Path, o, prof: dict, recorded: bool) -> str:
     table = [[m.name, _num(m.value), _num(entries[m.name]["value"]) if m.name in entries else "-", m.unit,
               _change(entries.get(m.name), m.value)] for m in head]
     lines.append(_table(["metric", "measured", "committed record", "unit", "vs record"], table))
+    if any(row[-1] in ONE_RUN.values() for row in table):
+        lines.append(f"a timing outside its tolerance in one run is not yet a verdict: `runbook verify {rb.name}` "
+                     "re-measures it, against the recorded commit's engine when it stays outside")
     if entries:
         run_entry = records.run_of(prof, next(iter(entries.values()))["run"])
         lines.append(_machine_note(run_entry))
@@ -324,10 +327,18 @@ def _closure(t: Target) -> set[str]:
     return {t.rb.name}.union(*(_closure(d) for d in t.upstream.values()))
 
 
+ONE_RUN = {"regression": "worse, in one run", "improvement": "better, in one run", "changed": "changed, in one run"}
+
+
 def _change(old: dict | None, value: float) -> str:
+    """One run against the committed record. A timing outside its tolerance is said to be so in one run: only
+    `runbook verify` judges it against its noise. An exact number outside its tolerance is a real difference."""
     if old is None:
         return "new"
-    return drift(old, value) or "within tolerance"
+    d = drift(old, value)
+    if d is None:
+        return "within tolerance"
+    return f"{d} (exact number)" if records.kind_of(old) == "exact" else ONE_RUN[d]
 
 
 def _refresh_docs(root: Path, ran: list[str]) -> None:

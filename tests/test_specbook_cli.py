@@ -75,7 +75,8 @@ def test_run_without_record_changes_no_tracked_file(tmp_path):
     assert r.exit_code == 0, r.stderr
     assert (root / "baselines" / "bench.yaml").read_bytes() == before
     assert "will run: bench (cpu)" in r.stderr and "nothing recorded" in r.stdout
-    assert "50" in r.stdout and "regression" in r.stdout  # measured beside the committed record
+    assert "50" in r.stdout and "worse, in one run" in r.stdout  # measured beside the committed record, and
+    assert "runbook verify bench" in r.stdout  # one run of a timing is not a verdict: the table says who judges
     assert (root / ".specbook" / "executed" / "bench-cpu.ipynb").is_file()
 
 
@@ -293,3 +294,16 @@ def test_another_profile_in_the_header_leaves_records_fresh(tmp_path):
     assert cli(root, "status", "x").exit_code == 1  # this profile's parameters changed: stale
     write_runbook(root, "x", runbook_text(profiles="{cpu: {value: 2.0}}", body='record("x", value + 0, unit="u")'))
     assert cli(root, "status", "x").exit_code == 1  # the code changed: stale
+
+
+def test_run_marks_an_exact_number_that_moved_as_a_difference_not_one_run(tmp_path):
+    """An exact number (direction none: a count, an accept length) outside its tolerance differs, whatever the
+    machine's noise; a timing outside its tolerance is only seen so in one run."""
+    root = make_repo(tmp_path, bench=runbook_text(body="""
+    record("x", float(open("value.txt").read()), unit="n", direction="none", kind="exact")
+"""))
+    (root / "value.txt").write_text("100")
+    assert cli(root, "run", "--record", "bench").exit_code == 0
+    (root / "value.txt").write_text("101")
+    r = cli(root, "run", "bench")
+    assert r.exit_code == 0 and "changed (exact number)" in r.stdout and "in one run" not in r.stdout
