@@ -8,7 +8,7 @@ import re
 import statistics
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TypeVar
 
 import torch
@@ -30,6 +30,8 @@ class BenchConfig:
     repeats: int = 3  # timed generations per variant (median reported)
     sizes: tuple[int, ...] = SIZES  # token counts T of the forward-cost sweep
     eager: bool = True  # also time the decode without CUDA graphs
+    eager_tokens: int | None = None  # new tokens of each eager generation (None: new_tokens); its per-token time
+    # is the host's launch time and does not grow with the position, so a short run measures it as well
     peer: bool = True  # also time transformers' generate (static cache)
     compile: bool = False  # also time the decode with its forward through torch.compile, inside our graph
     plain: bool = True  # time the plain graph decode too when compiling (False: the compiled decode alone)
@@ -219,8 +221,10 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
     model = eng.model
     device = model.device
     cfg = cfg.resolve(device)
-    if min(cfg.sizes) <= 0 or cfg.repeats <= 0 or cfg.new_tokens < 2 or cfg.prompt_len <= 0:
-        raise EngineError("prompt length, sizes and repeats must be positive and new tokens at least 2")
+    if min(cfg.sizes) <= 0 or cfg.repeats <= 0 or cfg.new_tokens < 2 or cfg.prompt_len <= 0 or \
+            cfg.eager_tokens is not None and not 2 <= cfg.eager_tokens <= cfg.new_tokens:
+        raise EngineError("prompt length, sizes and repeats must be positive, new tokens at least 2, and eager tokens "
+                          "between 2 and new tokens")
     need = cfg.prompt_len + max(cfg.new_tokens, max(cfg.sizes))
     if need > eng.max_seq_len:
         raise EngineError(f"the benchmark needs a cache of {need} tokens; raise --max-seq-len above {eng.max_seq_len}")
@@ -241,7 +245,9 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
     if not res.decode:
         raise EngineError(f"the compiled decode failed and the plain one was not asked for: {res.errors['compiled']}")
     if cfg.eager:
-        res.decode["eager"] = stat(TargetDecoder(model, eng.max_seq_len, cuda_graphs=False))
+        eager_cfg = replace(cfg, new_tokens=cfg.eager_tokens or cfg.new_tokens)
+        res.decode["eager"] = decode_stat(TargetDecoder(model, eng.max_seq_len, cuda_graphs=False), prompt, eager_cfg,
+                                          res.weight_bytes, res.copy_gb_s)
     res.forward_ms["graph" if graphs else "eager"] = forward_costs(model, cfg.prompt_len, cfg.sizes, graphs)
     if not model.cfg.n_routed_experts:  # MoE experts are not nn.Linear: the floor would leave them out
         res.gemv_ms = gemv_floor_ms(model)

@@ -24,8 +24,8 @@
 #   cpu: {shapes: [small, tiny], device: cpu, dtype: float32, prompt_len: 16, new_tokens: 32, repeats: 3,
 #         threads: 1, torch_profile: true, rel_tol: 0.15}
 #   h200: {shapes: [llama-3.1-8b, llama-3.2-1b], device: cuda, dtype: bfloat16, prompt_len: 128, new_tokens: 256,
-#          repeats: 3, sizes: [1, 2, 4, 8, 16, 32, 64], torch_compile: true, torch_profile: true, rel_tol: 0.1,
-#          long_context: 32768}
+#          repeats: 3, sizes: [1, 2, 4, 8, 16, 32, 64], eager_tokens: 32, torch_compile: true, torch_profile: true,
+#          rel_tol: 0.1, long_context: 32768}
 # timeout: 3600
 # cell_timeout: 2400
 # ```
@@ -40,6 +40,7 @@ repeats = 3  # timed generations per variant; the median is recorded
 sizes = [1, 2, 4, 8]  # token counts T of the forward-cost sweep (must include 1 and 8)
 peer = True  # also time transformers' generate on the same weights (main shape)
 eager = True  # also time the decode without CUDA graphs (main shape; on CPU nothing is captured anyway)
+eager_tokens = 0  # new tokens of each eager generation (0: new_tokens): launch-bound, its rate holds on short runs
 torch_compile = False  # also time the decode step compiled by torch.compile inside our CUDA graph
 torch_profile = False  # print torch.profiler's kernel-level table of the fastest decode step
 max_seq_len = 0  # KV-cache length; 0: what the run needs (attention reads the whole static cache every step)
@@ -61,7 +62,8 @@ if threads:
 results = {}
 for i, shape in enumerate(shapes):  # the eager decode and the peer are the main shape's: the others' add only time
     cfg = BenchConfig(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, sizes=tuple(sizes),
-                      peer=peer and i == 0, eager=eager and i == 0, compile=torch_compile,
+                      peer=peer and i == 0, eager=eager and i == 0, eager_tokens=eager_tokens or None,
+                      compile=torch_compile,
                       torch_profile=torch_profile)
     eng = Engine.load(shape=shape, device=device, dtype=dtype, max_seq_len=max_seq_len or cfg.cache_len())
     results[shape] = run_bench(eng, cfg)

@@ -24,7 +24,7 @@
 #   cpu: {shape: deepseek-v3-tiny, device: cpu, dtype: float32, prompt_len: 16, new_tokens: 24, repeats: 3,
 #         max_seq_len: 128, rel_tol: 0.15}
 #   h200: {shape: deepseek-v3-mini, device: cuda, dtype: bfloat16, prompt_len: 128, new_tokens: 128, repeats: 3,
-#          max_seq_len: 1024, torch_compile: true, torch_profile: true, rel_tol: 0.15}
+#          eager_tokens: 32, max_seq_len: 1024, torch_compile: true, torch_profile: true, rel_tol: 0.15}
 # timeout: 1800
 # cell_timeout: 1200
 # ```
@@ -36,6 +36,8 @@ dtype = "float32"
 prompt_len = 16
 new_tokens = 24
 repeats = 3  # timed generations per variant; the median is recorded
+eager_tokens = 0  # new tokens of each eager generation, decode and cycle (0: new_tokens): launch-bound, a short run
+# measures its rate as well
 steps = 7  # EAGLE-3 chain: draft steps per cycle (steps + 1 tokens verified)
 max_seq_len = 128
 torch_compile = False  # also time the decode with the forward through torch.compile inside the graph
@@ -60,6 +62,7 @@ model = eng.model
 if not model.cfg.is_mla:
     raise ValueError(f"shape {shape!r} is not a DeepSeek-V3-family shape")
 r = run_bench(eng, BenchConfig(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, sizes=(1, 8),
+                               eager_tokens=eager_tokens or None,
                                peer=False, compile=torch_compile, torch_profile=torch_profile))
 print(format_bench(r))
 
@@ -79,10 +82,10 @@ drafter = new_drafter(model.cfg, torch.arange(min(32000, model.cfg.vocab_size)),
 def cycle_ms(eager_verify: bool) -> tuple[float, dict[str, float]]:
     """Median ms per cycle over `repeats` generations, and one timed run's split of a cycle."""
     dec = SpecDecoder(model, drafter, max_seq_len, steps=steps, topk=1, cuda_graphs=True, eager_verify=eager_verify)
+    n = (eager_tokens or new_tokens) if eager_verify else new_tokens
     dec.generate(prompt, 8)  # capture the graphs
-    per_cycle = [1000 * g.decode_s / g.verify_cycles
-                 for g in (dec.generate(prompt, new_tokens) for _ in range(repeats))]
-    t = dec.generate(prompt, new_tokens, timed_phases=True)
+    per_cycle = [1000 * g.decode_s / g.verify_cycles for g in (dec.generate(prompt, n) for _ in range(repeats))]
+    t = dec.generate(prompt, n, timed_phases=True)
     split = {k: 1000 * getattr(t, f"{k}_s") / t.verify_cycles for k in ("draft", "verify", "other")}
     return statistics.median(per_cycle), split
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from specbook import SpecbookError, provenance, records
+from specbook import SpecbookError, execute, provenance, records
 from specbook.execute import Target, target
 from specbook.execute import run as run_target
 from specbook.runbooks import check_name, check_profile, discover, find_root, load, parse_cli
@@ -299,12 +299,24 @@ def _conclusion(root: Path, o, prof: dict, recorded: bool) -> str:
     if entries:
         run_entry = records.run_of(prof, next(iter(entries.values()))["run"])
         lines.append(_machine_note(run_entry))
+    if o.notebook and (split := _time_split(o)):
+        lines.append(split)
     where = o.notebook.relative_to(root) if o.notebook else None
     if where:
         lines.append(f"executed notebook (plots and tables): {where}")
     lines.append(f"recorded as run {o.run_id}: commit baselines/ and docs/ on purpose" if recorded and o.run_id else
                  f"nothing recorded; `runbook run {rb.name} --record` writes these numbers into baselines/")
     return "\n".join(lines)
+
+
+def _time_split(o) -> str | None:
+    """Where a run's wall time went: its cells, the kernel's start, and the rest (imports, hashes, the record)."""
+    cells, kernel = execute.notebook_seconds(o.notebook), execute.kernel_start_seconds(o.notebook)
+    if not o.seconds or cells is None or kernel is None:
+        return None
+    rest = max(0.0, o.seconds - cells - kernel)
+    return f"took {o.seconds:.0f} s: {cells:.0f} s in its cells, {kernel:.0f} s starting the kernel, {rest:.0f} s " \
+           "outside the notebook"
 
 
 def _machine_note(run_entry: dict) -> str:

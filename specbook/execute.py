@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import json
 import logging
 import os
@@ -301,6 +302,7 @@ class Outcome:
     execution: Execution
     run_id: str | None  # None when nothing was recorded (verify, or no metrics)
     notebook: Path  # the executed notebook: docs/runbooks/executed/ for a run that records, else .specbook/executed/
+    seconds: float = 0.0  # the run's wall time, as recorded (_lap)
 
 
 def notebook_seconds(path: Path) -> float | None:
@@ -311,6 +313,19 @@ def notebook_seconds(path: Path) -> float | None:
     except (OSError, ValueError, KeyError):
         return None
     return sum(c.get("metadata", {}).get("papermill", {}).get("duration") or 0.0 for c in cells)
+
+
+def kernel_start_seconds(path: Path) -> float | None:
+    """Seconds from the notebook's start to its first cell's (papermill's timestamps): the kernel's start, which
+    the cells' durations leave out. None without the notebook or the timestamps."""
+    try:
+        nb = json.loads(path.read_text(encoding="utf-8"))
+        start = nb["metadata"]["papermill"]["start_time"]
+        first = min(c["metadata"]["papermill"]["start_time"] for c in nb["cells"]
+                    if c.get("metadata", {}).get("papermill", {}).get("start_time"))
+        return (dt.datetime.fromisoformat(first) - dt.datetime.fromisoformat(start)).total_seconds()
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def run(root: Path, t: Target, *, record: bool, force: bool = False, fresh: bool = False, progress: bool = True,
@@ -356,7 +371,7 @@ def _run_locked(root: Path, t: Target, *, record: bool, force: bool, progress: b
     atomic_write(t.outputs_dir / DONE, (json.dumps({"run": run_id, "date": now_iso()}) + "\n").encode())
     shutil.rmtree(work)  # only after success: a failed run's error message points into its directory
     ran.add(t.rb.name)
-    return [*outcomes, Outcome(t, ex, run_id, kept)]
+    return [*outcomes, Outcome(t, ex, run_id, kept, seconds)]
 
 
 _locks: dict[Path, filelock.FileLock] = {}

@@ -158,6 +158,28 @@ def test_bench_times_the_compiled_decode_alone_when_asked(monkeypatch):
     assert "\ncompiled " in text and "\ngraph " not in text and "the compiled step spends" in text
 
 
+def test_bench_times_the_eager_decode_on_its_own_token_count(monkeypatch):
+    """eager_tokens: the eager generations are that long, the graph ones new_tokens long; out of range is refused."""
+    from engine.target_decoder import TargetDecoder
+
+    lengths: dict[bool, set[int]] = {True: set(), False: set()}
+    generate = TargetDecoder.generate
+
+    def spy(self, prompt, n, *args, **kwargs):
+        lengths[self.cuda_graphs].add(n)
+        return generate(self, prompt, n, *args, **kwargs)
+
+    monkeypatch.setattr(TargetDecoder, "generate", spy)
+    eng = Engine.load(shape="tiny", max_seq_len=64)
+    r = run_bench(eng, BenchConfig(prompt_len=8, new_tokens=12, repeats=2, sizes=(1,), eager_tokens=4, peer=False))
+    assert lengths == {True: {8, 12}, False: {4}}  # 8 (capped at 4 for eager): the untimed warm-up generation
+    assert len(r.decode["eager"].samples) == 2 and r.decode["eager"].tok_s > 0
+    for bad in (1, 13):
+        with pytest.raises(EngineError, match="eager tokens"):
+            run_bench(eng, BenchConfig(prompt_len=8, new_tokens=12, repeats=1, sizes=(1,), eager_tokens=bad,
+                                       peer=False))
+
+
 def test_compiled_decode_compiles_one_layer_for_the_whole_stack():
     """Regional compilation: the decode step's layers share one compiled graph (dynamo guards on the layer's
     structure, not its identity), so a deeper model costs no more compiles; the tokens are the eager decode's."""

@@ -64,6 +64,31 @@ def test_run_records_publishes_and_verifies(tmp_path, monkeypatch):
     assert len(baseline(root, "bench")["profiles"]["cpu"]["metrics"]["x"]["history"]) == 2
 
 
+def test_run_says_where_its_wall_time_went(tmp_path):
+    """The cells, the kernel's start and the rest add up to the run's wall time; a slow cell shows in the cells."""
+    from specbook.execute import kernel_start_seconds
+
+    nb = tmp_path / "nb.ipynb"
+    meta = lambda t: {"papermill": {"start_time": f"2026-01-01T00:00:{t}+00:00"}}  # noqa: E731
+    nb.write_text(json.dumps({"metadata": meta("01.000000"), "cells": [{"metadata": meta("04.500000")},
+                                                                        {"metadata": meta("03.250000")}]}))
+    assert kernel_start_seconds(nb) == 2.25 and kernel_start_seconds(tmp_path / "none.ipynb") is None
+    import re
+
+    root = make_repo(tmp_path, bench=runbook_text(body="""
+    import time
+    time.sleep(1.5)
+    record("x", 1.0, unit="tok/s", direction="higher", rel_tol=0.1)
+"""))
+    r = cli(root, "run", "bench")
+    assert r.exit_code == 0, r.stderr
+    took = re.search(r"took (\d+) s: (\d+) s in its cells, (\d+) s starting the kernel, (\d+) s outside", r.stdout)
+    assert took, r.stdout
+    total, cells, kernel, rest = map(int, took.groups())
+    assert cells >= 1 and total >= cells  # the 1.5 s sleep is in the cells
+    assert abs(total - (cells + kernel + rest)) <= 2  # each part rounded on its own
+
+
 def test_run_without_record_changes_no_tracked_file(tmp_path):
     """A local re-run measures and compares; only --record writes baselines/ and docs/."""
     root = make_repo(tmp_path, bench=FROM_FILE)
