@@ -465,6 +465,10 @@ def _failed(v: Verdict, detail: str) -> Verdict:
     return v
 
 
+PINNED_DEVICE = "CUDA_VISIBLE_DEVICES"  # which GPU a run had, not how fast: verify pins each child to one, and the
+# profile already checks what hardware it is
+
+
 def environment_changes(run_entry: dict, now: dict[str, Any]) -> list[str]:
     """What differs in the performance-relevant environment between a recorded run and now: package versions,
     NCCL_*/CUDA_*/... variables, sitecustomize/usercustomize (the game plan's team hid NCCL tuning there)."""
@@ -475,7 +479,7 @@ def environment_changes(run_entry: dict, now: dict[str, Any]) -> list[str]:
         if a != b and k != "engine":
             out.append(f"{k} {a} -> {b}")
     env_then, env_now = then.get("env", {}) or {}, now.get("env", {}) or {}
-    for k in sorted(set(env_then) | set(env_now)):
+    for k in sorted((set(env_then) | set(env_now)) - {PINNED_DEVICE}):
         if env_then.get(k) != env_now.get(k):
             out.append(f"{k}={env_then.get(k, '(unset)')} -> {env_now.get(k, '(unset)')}")
     for mod, s in (now.get("sitecustomize") or {}).items():

@@ -222,6 +222,8 @@ def test_environment_changes_name_what_moved():
     assert got == ["torch 2.13.0 -> 2.14.0", "NCCL_P2P_LEVEL=SYS -> (unset)",
                    "sitecustomize active at /x/sitecustomize.py (recorded: inactive)"]
     assert environment_changes(then, {**then["provenance"]}) == []
+    pinned = {**then["provenance"], "env": {**then["provenance"]["env"], "CUDA_VISIBLE_DEVICES": "1"}}
+    assert environment_changes(then, pinned) == []  # verify pins each child to a GPU: not a change of environment
 
 
 def test_verify_re_measures_instead_of_reading_back_cached_outputs(tmp_path):
