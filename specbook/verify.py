@@ -20,6 +20,7 @@ import datetime as dt
 import io
 import json
 import shutil
+import statistics
 import subprocess
 import tarfile
 from dataclasses import asdict, dataclass
@@ -357,13 +358,13 @@ def _judge(v: Verdict, prof: dict, measured: dict[str, float]) -> Verdict:
 def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], progress: bool, log) -> None:
     """Noisy numbers outside their tolerance get three measurements. With the code and parameters as recorded (the
     inputs hash unchanged), the code cannot explain a drift: two more runs against the record, and a median outside
-    it is MOVED (the machine or its environment: shown with the values, exit 0), not drifted. With changed inputs, the
-    runs are
-    interleaved against the engine the number was recorded with, as asv's continuous mode compares two commits: the
-    recorded commit's tree (A) and this one (B), A B three times on this machine now, and each pair's ratio B/A is a
-    vote against the tolerance: a majority outside it in one direction -> drifted, a majority inside -> fresh (the
-    machine's factor is noted). No majority -> flaky, which fails as drift does. Without git history, B runs twice
-    more against the record."""
+    it is MOVED (the machine or its environment: shown with the values, exit 0), not drifted. With changed inputs,
+    the runs are interleaved against the engine the number was recorded with, as asv's continuous mode compares two
+    commits: the recorded commit's tree (A) and this one (B), A B three times on this machine now, and each pair's
+    ratio B/A is a vote against the tolerance: a majority outside it in one direction -> drifted, a majority inside
+    -> fresh (the machine's factor is noted). No majority -> flaky, which fails as drift does. Without git history, B
+    runs twice more against the record. The last run is skipped when the runs before it already agree (_settled):
+    on a lent GPU a confirming run of a long runbook costs minutes."""
     name, profile = t.rb.name, t.profile
     run = records.run_of(prof, prof["metrics"][drifted[0].metric]["run"])
     commit = (run.get("provenance") or {}).get("git_commit")
@@ -378,13 +379,29 @@ def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], progress
     how = (f"interleaved with the recorded commit {commit[:10]} (A B, three times)" if ta else
            "twice more against the record" + (" (code and parameters as recorded)" if unchanged else ""))
     log(f"{name} ({profile}): {len(drifted)} noisy number(s) outside tolerance; measuring {how}")
-    if ta:
-        pairs = [(_measure_or_none(a_root, ta, progress, log), _measure_or_none(root, t, progress, log))
-                 for _ in range(3)]
-    else:
-        pairs = [(None, _measure_or_none(root, t, progress, log)) for _ in range(2)]
+    pairs: list[tuple[dict | None, dict | None]] = []
+    for _ in range(3 if ta else 2):
+        a = _measure_or_none(a_root, ta, progress, log) if ta else None
+        pairs.append((a, _measure_or_none(root, t, progress, log)))
+        if len(pairs) == (2 if ta else 1) and all(_settled(v, prof["metrics"][v.metric], pairs) for v in drifted):
+            log(f"{name} ({profile}): the runs so far agree; one more could not change the verdict")
+            break
     for v in drifted:
         _rejudge(v, prof["metrics"][v.metric], pairs, unchanged)
+
+
+def _settled(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None]]) -> bool:
+    """Whether the measurements so far decide v's verdict whatever the last run would give: two of three on the
+    same side of the tolerance (against the record: the first run and one more; interleaved: two pairs' ratios).
+    A failed run decides too (flaky)."""
+    if any(b is None or v.metric not in b or a is not None and v.metric not in a for a, b in pairs):
+        return True
+    if pairs[0][0] is None:
+        votes = [drift(entry, x) for x in (v.measured, *(b[v.metric] for _, b in pairs))]
+        return len(votes) >= 3 or votes[0] is not None and votes.count(votes[0]) >= 2
+    reference = {"value": 1.0, "direction": entry["direction"], "tolerance": {"rel": entry["tolerance"]["rel"]}}
+    votes = [drift(reference, b[v.metric] / a[v.metric] if a[v.metric] else float("inf")) for a, b in pairs]
+    return len(votes) >= 3 or votes[0] == votes[1]
 
 
 def _measure_or_none(root: Path, t: Target, progress: bool, log) -> dict[str, float] | None:
@@ -412,7 +429,7 @@ def _rejudge(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None
     first = v.measured
     if pairs[0][0] is None:  # against the record
         values = [first, *(b[v.metric] for _, b in pairs)]
-        v.measured = sorted(values)[1]
+        v.measured = statistics.median(values)  # of two runs that agree, or of three
         v.detail = f"measured {', '.join(f'{x:.6g}' for x in values)}; recorded {v.recorded:.6g}"
         if unchanged:  # the code as recorded cannot be flaky, the machine can: its median decides, shown as moved
             v.change = drift(entry, v.measured)
@@ -423,8 +440,8 @@ def _rejudge(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None
         ratios = [b[v.metric] / a[v.metric] if a[v.metric] else float("inf") for a, b in pairs]
         reference = {"value": 1.0, "direction": entry["direction"], "tolerance": {"rel": entry["tolerance"]["rel"]}}
         votes = [drift(reference, r) for r in ratios]
-        machine = sorted(a[v.metric] for a, _ in pairs)[1] / v.recorded if v.recorded else float("nan")
-        v.measured = sorted(b[v.metric] for _, b in pairs)[1]
+        machine = statistics.median(a[v.metric] for a, _ in pairs) / v.recorded if v.recorded else float("nan")
+        v.measured = statistics.median(b[v.metric] for _, b in pairs)
         v.detail = (f"this engine / recorded engine, interleaved: {', '.join(f'{r:.3g}' for r in ratios)}; the "
                     f"recorded engine measures {machine:.3g}x its record on this machine now (first run {first:.6g})")
     agreed, vote = _majority(votes)
