@@ -133,6 +133,17 @@ def gpus() -> tuple[str, ...]:
     return tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
 
 
+@functools.lru_cache(maxsize=1)
+def gpu_uuids() -> tuple[str, ...]:
+    """The visible CUDA devices' UUIDs: which physical GPUs a run had, so that two runs can be told to have been on
+    the same card or on another. Empty without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ()
+    return tuple(f"GPU-{torch.cuda.get_device_properties(i).uuid}" for i in range(torch.cuda.device_count()))
+
+
 def profile_of(names: tuple[str, ...]) -> str:
     if not names:
         return "cpu"
@@ -239,7 +250,8 @@ def fingerprint(root: Path, runbook_source: str | None = None, params: dict | No
         "params_hash": sha(canonical(params)) if params is not None else None,
         "engine_hash": engine_hash(root, runbook_source),
         "versions": versions(),
-        "gpu": {"count": len(names), "names": sorted(set(names)), "driver": _driver() if names else None},
+        "gpu": {"count": len(names), "names": sorted(set(names)), "driver": _driver() if names else None,
+                "uuids": list(gpu_uuids())},
         "cpu": {"model": cpu_model(), "count": os.cpu_count()},
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
         "sitecustomize": _customize(),

@@ -164,3 +164,5 @@ def test_gpu_profile_and_fingerprint():
     fp = provenance.fingerprint(Path.cwd())
     assert fp["gpu"]["count"] == torch.cuda.device_count() and fp["versions"]["cuda"] == torch.version.cuda
     assert fp["gpu"]["names"] and fp["gpu"]["driver"]
+    uuids = fp["gpu"]["uuids"]  # the physical cards: one per visible device, all different
+    assert len(uuids) == len(set(uuids)) == torch.cuda.device_count() and all(u.startswith("GPU-") for u in uuids)
