@@ -5,7 +5,7 @@
 #
 # Each argument is one GPU's chain: `runbook` commands separated by ';', run in order on that GPU
 # (CUDA_VISIBLE_DEVICES). Before them it installs the wheels carried in .whl/ (papermill, jupytext, ipykernel...:
-# docs/environment.md says how to make them) and points the training corpus at the archives carried in
+# scripts/device-wheels.sh makes them) and points the training corpus at the archives carried in
 # corpus-archives/ (`python -m engine train corpus --fetch` with SPECBOOK_CORPUS_DIR there). Set SPECBOOK_GIT_COMMIT
 # to the commit the tree was sent at: the copy has no .git, and the records name it. Everything a run wrote that a
 # commit needs (baselines/, docs/runbooks/executed/) and one log per GPU are packed into $OUT/results.tgz.
