@@ -4,7 +4,8 @@
 #   scripts/gpu-runbooks.sh "run --record train-target;run --record baseline-eagle3" "verify --profile h200 baseline-decode"
 #
 # Each argument is one GPU's chain: `runbook` commands separated by ';', run in order on that GPU
-# (CUDA_VISIBLE_DEVICES). Before them it installs the wheels carried in .whl/ (papermill, jupytext, ipykernel...:
+# (CUDA_VISIBLE_DEVICES). With SHARE_GPU=1 every chain runs on GPU 0, side by side: for chains whose numbers are all
+# exact (the training runbooks), never for timings. Before them it installs the wheels carried in .whl/ (papermill, jupytext, ipykernel...:
 # scripts/device-wheels.sh makes them) and points the training corpus at the archives carried in
 # corpus-archives/ (`python -m engine train corpus --fetch` with SPECBOOK_CORPUS_DIR there). Set SPECBOOK_GIT_COMMIT
 # to the commit the tree was sent at: the copy has no .git, and the records name it. Everything a run wrote that a
@@ -31,7 +32,7 @@ gpu=0
 pids=()
 for chain in "$@"; do
   (
-    export CUDA_VISIBLE_DEVICES=$gpu
+    export CUDA_VISIBLE_DEVICES=$([ "${SHARE_GPU:-0}" = 1 ] && echo 0 || echo "$gpu")
     rc=0
     IFS=';' read -ra cmds <<< "$chain"
     for cmd in "${cmds[@]}"; do
