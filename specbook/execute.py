@@ -27,7 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import filelock
 import jupytext
@@ -366,7 +366,7 @@ def _run_locked(root: Path, t: Target, *, record: bool, force: bool, progress: b
         raise RunFailed(f"runbook {t.rb.name} declares reproduces {missing} but did not record them "
                         f"(notebook: {notebook})")
     seconds = _lap()
-    run_id = _record_run(root, t, ex, seconds) if record and ex.metrics else None
+    run_id = _record_run(root, t, ex, seconds, log) if record and ex.metrics else None
     kept = _publish(notebook, root / (EXECUTED if record else LOCAL_EXECUTED) / f"{t.rb.name}-{t.profile}.ipynb")
     atomic_write(t.outputs_dir / DONE, (json.dumps({"run": run_id, "date": now_iso()}) + "\n").encode())
     shutil.rmtree(work)  # only after success: a failed run's error message points into its directory
@@ -457,13 +457,14 @@ def clean_stale_runs(runs: Path, max_age_s: float = STALE_RUN_S) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _record_run(root: Path, t: Target, ex: Execution, seconds: float) -> str:
+def _record_run(root: Path, t: Target, ex: Execution, seconds: float, log: Callable[[str], None]) -> str:
     date = now_iso()
     params = _plain_data(t.params)
     run = {"id": records.new_run_id(date), "date": date, "source": "measured", "inputs_hash": t.inputs_hash,
            "seconds": round(seconds, 1), "parameters": params,
            "provenance": _plain_data(fingerprint(root, t.rb.hashed_source, params, t.all_inputs()))}
-    records.add_run(root, t.rb.name, t.profile, run, ex.metrics)
+    if dropped := records.add_run(root, t.rb.name, t.profile, run, ex.metrics):
+        log(f"dropped from the {t.profile} record, which this run no longer measures: {', '.join(dropped)}")
     return run["id"]
 
 

@@ -214,8 +214,10 @@ def new_run_id(date: str) -> str:
     return date.replace("-", "").replace(":", "") + "-" + secrets.token_hex(2)
 
 
-def add_run(root: Path, name: str, profile: str, run: dict[str, Any], metrics: list[Metric]) -> RecordFile:
-    """Append a run to a profile and make its metrics the recorded values (history appended), under the lock."""
+def add_run(root: Path, name: str, profile: str, run: dict[str, Any], metrics: list[Metric]) -> list[str]:
+    """Append a run to a profile and make its metrics the profile's recorded values (history appended), under the
+    lock. A metric the run did not record is dropped: the record is what the runbook measures now, and a number it
+    no longer produces could never be verified again. Returns the dropped names."""
     path = path_for(root, name)
     with _lock(path):
         rf = load(path)
@@ -231,9 +233,12 @@ def add_run(root: Path, name: str, profile: str, run: dict[str, Any], metrics: l
                 entry["description"] = m.description
             entry["history"] = [*history, {"value": m.value, "run": run["id"], "date": run["date"]}]
             prof["metrics"][m.name] = entry
+        dropped = sorted(set(prof["metrics"]) - {m.name for m in metrics})
+        for gone in dropped:
+            del prof["metrics"][gone]
         validate(rf.data, path)
         save(rf)
-    return rf
+    return dropped
 
 
 def kind_of(entry: dict[str, Any]) -> str:

@@ -115,11 +115,21 @@ def test_hand_edit_inside_add_run_is_not_overwritten(root, monkeypatch):
 
 def test_hand_edit_before_a_run_is_kept(root):
     records.add_run(root, "b", "cpu", _run(1), [Metric("x", 1.0, "ms", "lower")])
+    records.add_run(root, "b", "gpu", _run(2), [Metric("x", 5.0, "ms", "lower")])
     path = root / "baselines" / "b.yaml"
     path.write_text(path.read_text().replace("tolerance: {rel: 0.0, abs: 0.0}", "tolerance: {rel: 0.3, abs: 0.0}"))
-    records.add_run(root, "b", "cpu", _run(2), [Metric("y", 2.0, "ms", "lower")])
-    metrics = yaml.safe_load(path.read_text())["profiles"]["cpu"]["metrics"]
-    assert metrics["x"]["tolerance"]["rel"] == 0.3 and metrics["y"]["value"] == 2.0
+    records.add_run(root, "b", "cpu", _run(3), [Metric("x", 2.0, "ms", "lower")])
+    profiles = yaml.safe_load(path.read_text())["profiles"]
+    assert profiles["gpu"]["metrics"]["x"]["tolerance"]["rel"] == 0.3 and profiles["cpu"]["metrics"]["x"]["value"] == 2.0
+
+
+def test_a_run_drops_what_it_no_longer_records_in_its_profile_only(root):
+    records.add_run(root, "b", "cpu", _run(1), [Metric("x", 1.0, "ms", "lower"), Metric("old", 3.0, "ms", "lower")])
+    records.add_run(root, "b", "gpu", _run(2), [Metric("old", 4.0, "ms", "lower")])
+    assert records.add_run(root, "b", "cpu", _run(3), [Metric("x", 2.0, "ms", "lower")]) == ["old"]
+    profiles = yaml.safe_load((root / "baselines" / "b.yaml").read_text())["profiles"]
+    assert set(profiles["cpu"]["metrics"]) == {"x"} and profiles["cpu"]["metrics"]["x"]["value"] == 2.0
+    assert profiles["gpu"]["metrics"]["old"]["value"] == 4.0
 
 
 WRITER = """
