@@ -78,12 +78,14 @@ def ttt_attention(q: torch.Tensor, k: Sequence[torch.Tensor], v: Sequence[torch.
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     s0 = (qg @ k[0].transpose(-1, -2)).view(B, kv, rep, T, T).float().masked_fill(~causal, float("-inf"))
     q5 = qg.view(B, kv, rep, T, D).float()
-    diag = [(q5 * ki[:, :, None].float()).sum(-1, keepdim=True) for ki in k[1:]]  # [B, kv, rep, T, 1] each
-    p = (torch.cat([s0, *diag], dim=-1) * D ** -0.5).softmax(-1)
-    p0, pd = p.split([T, len(k) - 1], dim=-1)
+    later = len(k) - 1  # steps 1..j, all of their keys in one tensor: a few kernels whatever j is
+    kd = torch.stack(list(k[1:]), dim=2).float() if later else None  # [B, kv, j, T, D]
+    diag = torch.einsum("bgrtd,bgjtd->bgrtj", q5, kd) if later else s0[..., :0]  # [B, kv, rep, T, j]
+    p = (torch.cat([s0, diag], dim=-1) * D ** -0.5).softmax(-1)
+    p0, pd = p.split([T, later], dim=-1)
     out = (p0.to(v[0].dtype).reshape(B, kv, rep * T, T) @ v[0]).view(B, kv, rep, T, -1).float()
-    for i, vi in enumerate(v[1:]):
-        out = out + pd[..., i:i + 1] * vi[:, :, None].float()
+    if later:
+        out = out + torch.einsum("bgrtj,bgjtd->bgrtd", pd, torch.stack(list(v[1:]), dim=2).float())
     return out.reshape(B, H, T, -1).to(q.dtype)
 
 
