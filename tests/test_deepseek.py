@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from engine import deepseek
 from engine.config import ModelConfig
 from engine.errors import EngineError
-from engine.loading import load_model, random_model, save_model
+from engine.loading import load_model, random_model, save_model, transformers_twin
 from engine.model import Transformer
 from engine.shapes import shape_config
 from engine.target_decoder import TargetDecoder
@@ -69,6 +69,15 @@ CASES = {
     "yarn": dict(rope_scaling=YARN),
     "no_q_lora_yarn_no_interleave": dict(q_lora_rank=None, rope_scaling=YARN, rope_interleave=False),
 }
+
+
+def test_transformers_twin_is_the_checkpoint_transformers_loads(tmp_path):
+    """bench's peer on the MLA + MoE family: built in memory, the same logits as the saved and reloaded checkpoint."""
+    m, hf = hf_pair(shape_config("deepseek-v3-tiny"), tmp_path)
+    twin = transformers_twin(m)
+    ids = list(range(3, 30))
+    assert type(twin) is transformers.DeepseekV3ForCausalLM
+    assert torch.equal(hf_logits(twin, ids), hf_logits(hf, ids))
 
 
 @pytest.mark.parametrize("case", CASES)
