@@ -214,6 +214,33 @@ def test_cache_holds_latent_only_and_bytes_per_token():
     assert k2.ratio > 35
 
 
+@torch.no_grad()
+def test_expert_reads_are_the_experts_a_forward_depends_on():
+    """The experts expert_reads lists are exactly those the logits depend on: zeroing all others changes nothing,
+    zeroing any one listed changes the logits. One token reads top_k a layer; 8 tokens read more."""
+    cfg = tiny()
+    m = engine_model(cfg)
+    m.setup_caches(32)
+    ids, pos = torch.arange(3, 11)[None], torch.arange(8)
+    one = deepseek.expert_reads(m, ids[:, :1], pos[:1])
+    assert [len(e) for e in one.experts] == [cfg.num_experts_per_tok] * (cfg.num_hidden_layers - 1)
+    assert one.weight_bytes == m.weight_bytes()
+    reads = deepseek.expert_reads(m, ids, pos)
+    assert reads.mean > cfg.num_experts_per_tok
+    per_expert = m.layers[1].mlp.experts.expert_bytes()
+    assert reads.weight_bytes == m.weight_bytes() + per_expert * sum(len(e) - cfg.num_experts_per_tok
+                                                                      for e in reads.experts)
+    ref = m(ids, pos)[0]
+    moe = [layer.mlp.experts for layer in m.layers if isinstance(layer.mlp, deepseek.MoE)]
+    for x, used in zip(moe, reads.experts):
+        unused = [e for e in range(cfg.n_routed_experts) if e not in used]
+        x.gate_up_proj[unused] = 0
+        x.down_proj[unused] = 0
+    assert torch.equal(m(ids, pos)[0], ref)
+    moe[0].down_proj[reads.experts[0][0]] = 0
+    assert not torch.allclose(m(ids, pos)[0], ref)
+
+
 def test_kimi_k2_config_and_active_bytes():
     d = {**shape_config("kimi-k2").to_hf(), "model_type": "kimi_k2"}
     d["rope_scaling"] = {**d["rope_scaling"], "type": "yarn"}
