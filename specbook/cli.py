@@ -245,11 +245,12 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, recor
     before = {n: records.load(records.path_for(root, n)) for n in _closure(t)}
     outcomes = run_target(root, t, record=record_, force=force, progress=not as_json, log=_log)
     if record_:
-        _refresh_docs(root, [o.target.rb.name for o in outcomes if o.run_id])
         from specbook.site import write_generated
 
-        for path in write_generated(root):
-            _log(f"updated {path.relative_to(root)}")
+        with records.docs_lock(root):
+            _refresh_docs(root, [o.target.rb.name for o in outcomes if o.run_id])
+            for path in write_generated(root):
+                _log(f"updated {path.relative_to(root)}")
     rows = []
     for o in outcomes:
         prof = before[o.target.rb.name].data["profiles"].get(profile, {})
@@ -472,7 +473,8 @@ def site_(ctx: click.Context, obj: Ctx, check: bool) -> None:
         for p in stale:
             click.echo(f"{p.relative_to(root)}: out of date; run `runbook site`")
         ctx.exit(1 if stale else 0)
-    changed = [*claims.refresh_docs(root), *site.write_generated(root)]
+    with records.docs_lock(root):
+        changed = [*claims.refresh_docs(root), *site.write_generated(root)]
     click.echo("\n".join(f"wrote {Path(p).relative_to(root)}" for p in changed) or "generated files are up to date")
 
 

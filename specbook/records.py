@@ -51,7 +51,9 @@ def path_for(root: Path, name: str) -> Path:
 
 
 def _state_dir(path: Path, kind: str) -> Path:
-    d = path.parent.parent / ".specbook" / kind  # beside baselines/, so temp files replace on the same filesystem
+    """.specbook/KIND of the project a file under baselines/ belongs to (beside baselines/, so that temp files
+    replace on the same filesystem)."""
+    d = path.parent.parent / ".specbook" / kind
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -59,12 +61,23 @@ def _state_dir(path: Path, kind: str) -> Path:
 _locks: dict[Path, filelock.FileLock] = {}
 
 
-def _lock(path: Path) -> filelock.FileLock:
+def _file_lock(lock_file: Path) -> filelock.FileLock:
     # one object per file: a second FileLock on the same file in this process would deadlock against the first
+    if lock_file not in _locks:
+        _locks[lock_file] = filelock.FileLock(lock_file, timeout=LOCK_TIMEOUT_S)
+    return _locks[lock_file]
+
+
+def _lock(path: Path) -> filelock.FileLock:
     key = path.resolve()
-    if key not in _locks:
-        _locks[key] = filelock.FileLock(_state_dir(key, "locks") / f"{key.name}.lock", timeout=LOCK_TIMEOUT_S)
-    return _locks[key]
+    return _file_lock(_state_dir(key, "locks") / f"{key.name}.lock")
+
+
+def docs_lock(root: Path) -> filelock.FileLock:
+    """Held while docs/ and README.md are rewritten from the records (claim literals, generated files): concurrent
+    `runbook run --record`s take turns, where one would otherwise refuse the file the other just wrote, or replace
+    a generated file with what it computed before the other's record landed."""
+    return _file_lock(_state_dir(Path(root).resolve() / BASELINES / "any", "locks") / "docs.lock")
 
 
 def _show(path: Path) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from specbook import claims, records, verify
 from specbook.execute import EXECUTED
+from specbook.fsutil import atomic_write
 
 VERDICT_ADMONITION = {verify.REPORTED: "info", verify.STALE: "warning", verify.DRIFTED: "danger",
                       verify.FLAKY: "danger", verify.FAILED: "danger"}
@@ -282,9 +283,7 @@ def write_generated(root: Path | str) -> list[Path]:
     changed = out_of_date(root)
     texts = generated(root)
     for p in changed:
-        tmp = p.with_name(f".{p.name}.tmp")
-        tmp.write_text(texts[p])
-        os.replace(tmp, p)
+        atomic_write(p, texts[p].encode())
     return changed
 
 

@@ -230,3 +230,20 @@ def test_a_sent_copy_is_named_by_its_sender_not_by_the_git_that_came_along(tmp_p
     assert _git_state(tmp_path) == ("0123abc", False)
     monkeypatch.setenv("SPECBOOK_GIT_DIRTY", "1")
     assert _git_state(tmp_path) == ("0123abc", True)
+
+
+def test_site_waits_for_the_docs_lock(root):
+    """Rewriting docs/ from the records takes the project's docs lock (concurrent `run --record`s take turns):
+    `runbook site` started while another process holds it finishes only after that one lets go."""
+    (root / "docs").mkdir()
+    records.add_run(root, "b", "cpu", _run(1), [Metric("x", 1.0, "ms", "lower")])
+    (root / "docs" / "p.md").write_text("x is <!-- claim: b/cpu/x fmt=.1f -->9.9<!-- /claim --> ms\n")
+    with records.docs_lock(root):
+        proc = subprocess.Popen([sys.executable, "-m", "specbook.cli", "--root", str(root), "site"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(3)
+        assert proc.poll() is None, proc.communicate()
+        assert "9.9" in (root / "docs" / "p.md").read_text()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "1.0<!-- /claim -->" in (root / "docs" / "p.md").read_text() and "wrote docs/p.md" in out
