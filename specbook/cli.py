@@ -268,6 +268,45 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, recor
     click.echo(_conclusion(root, last, before[name].data["profiles"].get(profile, {}), record_))
 
 
+@main.command("record")
+@click.argument("names", nargs=-1)
+@click.option("--profile", "profiles", multiple=True, help="A profile to re-record (default: this machine's), e.g. "
+              "h200.dsv3; repeat it to schedule several profiles' runbooks together.")
+@click.option("--gpus", default="all", show_default=True, metavar="all|N|ID,ID", help="GPUs to spread the runs "
+              "over, as verify does: a runbook whose record holds a timing (or that has none yet) has its GPU to "
+              "itself; up to 3 whose numbers are all exact share one. Without GPUs they run one after another.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (no progress bar).")
+@click.pass_obj
+@click.pass_context
+def record_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profiles: tuple[str, ...], gpus: str,
+            as_json: bool) -> None:
+    """Re-record runbooks NAMES on a profile (default: every runbook that declares it), dependencies first, each
+    as `runbook run NAME --record` would, then bring docs/ up to date once: what an engine change asks for. Exit 3
+    when a runbook failed (the others are still recorded)."""
+    from specbook.rerecord import jobs, record_all
+    from specbook.site import write_generated
+
+    root = obj.root
+    here = provenance.detect_profile()
+    for p in profiles:
+        check_profile(root, p)
+        if not provenance.runs_here(p, here):
+            raise SpecbookError(f"cannot measure profile {p} on this machine (it is {here})")
+    todo = [j for p in profiles or (here,) for j in jobs(root, p, list(names) or None)]
+    _log("will record: " + ", ".join(j.key for j in todo))
+    done = record_all(root, todo, _gpu_ids(gpus), log=_log, progress=not as_json)
+    with records.docs_lock(root):
+        _refresh_docs(root, [r.runbook for r in done if r.run_id])
+        for path in write_generated(root):
+            _log(f"updated {path.relative_to(root)}")
+    failed = [r for r in done if not r.run_id]
+    rows = [[r.runbook, r.profile, r.run_id or f"failed: {r.error}"] for r in done]
+    text = _table(["runbook", "profile", "recorded run"], rows) + (
+        f"\n{len(failed)} of {len(done)} failed" if failed else "\ncommit baselines/ and docs/ on purpose")
+    _emit(as_json, [asdict(r) for r in done], text)
+    ctx.exit(3 if failed else 0)
+
+
 def _plan(t: Target, force: bool, seen: set[str] | None = None) -> list[str]:
     """The runbooks a run will execute, dependencies first: those not cached (all with --force), then NAME."""
     seen = set() if seen is None else seen

@@ -1,4 +1,4 @@
-"""Re-measure on several GPUs at once.
+"""Re-measure (verify) or re-record (record) on several GPUs at once.
 
 `runbook verify` on a machine with GPUs runs each runbook in a child `runbook verify NAME --profile P --json` pinned
 to one GPU (CUDA_VISIBLE_DEVICES). A runbook that records a timing has its GPU to itself: no other measurement shares
@@ -7,7 +7,7 @@ shares a GPU with up to SHARE - 1 others of its kind, which overlaps their host-
 preparation, launches) with each other's GPU work. A runbook starts once the runbooks it depends on (on the same
 profile) have finished, which leaves their outputs built for it; among the ready ones the runbook with the longest
 chain of dependents goes first, since the chain bounds the wall time. The children's verdicts are merged as if one
-process had judged them all.
+process had judged them all. `runbook record` schedules `runbook run NAME --record` children the same way.
 """
 
 from __future__ import annotations
@@ -134,23 +134,33 @@ def _place(job: Job, on: dict[str, list[Job]], share: int) -> str | None:
     return min(fits, key=lambda s: len(on[s]), default=None)
 
 
-def verify_child(root: Path, scratch: Path, log: Callable[[str], None]) -> Callable[[Job, str], subprocess.Popen]:
-    """A starter for `schedule`: `runbook verify NAME --profile P --json` on GPU `slot`, its JSON written to a file
-    under `scratch` (a pipe could fill and stall the child), its log lines relayed with the GPU as prefix."""
+def child(root: Path, scratch: Path, log: Callable[[str], None],
+          argv: Callable[[Job], list[str]]) -> Callable[[Job, str], subprocess.Popen]:
+    """A starter for `schedule`: `runbook ARGV(job)` on GPU `slot`, its stdout written to a file under `scratch` (a
+    pipe could fill and stall the child), its log lines relayed with the GPU as prefix."""
     scratch.mkdir(parents=True, exist_ok=True)
 
     def start(job: Job, slot: str) -> subprocess.Popen:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": slot, "PYTHONUNBUFFERED": "1"}
         output = scratch / f"{job.name}-{job.profile}.json"
         with output.open("w") as f:
-            proc = subprocess.Popen([sys.executable, "-m", "specbook.cli", "--root", str(root), "verify", job.name,
-                                     "--profile", job.profile, "--json"], env=env, stdout=f,
-                                    stderr=subprocess.PIPE, text=True)
+            proc = subprocess.Popen([sys.executable, "-m", "specbook.cli", "--root", str(root), *argv(job)], env=env,
+                                    stdout=f, stderr=subprocess.PIPE, text=True)
         proc.output = output  # type: ignore[attr-defined]
         threading.Thread(target=_relay, args=(proc, f"[gpu {slot}] ", log), daemon=True).start()
         return proc
 
     return start
+
+
+def verify_child(root: Path, scratch: Path, log: Callable[[str], None]) -> Callable[[Job, str], subprocess.Popen]:
+    """`runbook verify NAME --profile P --json`, its verdicts as JSON in the output file."""
+    return child(root, scratch, log, lambda j: ["verify", j.name, "--profile", j.profile, "--json"])
+
+
+def record_child(root: Path, scratch: Path, log: Callable[[str], None]) -> Callable[[Job, str], subprocess.Popen]:
+    """`runbook run NAME --record --profile P --json`: the run recorded, its metrics as JSON in the output file."""
+    return child(root, scratch, log, lambda j: ["run", j.name, "--record", "--profile", j.profile, "--json"])
 
 
 def _relay(proc: subprocess.Popen, prefix: str, log: Callable[[str], None]) -> None:

@@ -318,6 +318,14 @@ def _times(prof: dict) -> bool:
     return any(m.get("kind") != "exact" for m in prof["metrics"].values())
 
 
+def times_something(root: Path, name: str, profile: str) -> bool:
+    """Whether a runbook needs its device to itself on a profile: its record there holds a timing, or it has no
+    record there yet (what it measures is unknown)."""
+    path = records.path_for(root, name)
+    prof = records.load(path).data["profiles"].get(profile) if path.exists() else None
+    return not (prof and prof.get("metrics")) or _times(prof)
+
+
 def _measure(root: Path, t: Target, progress: bool, log) -> dict[str, float]:
     outcome = run(root, t, record=False, fresh=True, progress=progress, log=log)[-1]
     return {m.name: m.value for m in outcome.execution.metrics}
