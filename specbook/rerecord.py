@@ -1,4 +1,4 @@
-"""`runbook record`: re-record every runbook of one profile after a change, dependencies first.
+"""`runbook record`: re-record every runbook of one or more profiles after a change, dependencies first.
 
 On a machine with GPUs each runbook runs in a child `runbook run NAME --record` scheduled as verify schedules its
 re-measurements (specbook.parallel): one whose record holds a timing, or that has no record yet, has its GPU to
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from specbook import RunFailed, records
+from specbook import RunFailed
 from specbook.execute import run, target
 from specbook.parallel import SHARE, Job, record_child, schedule
 from specbook.runbooks import check_name, discover, load
