@@ -425,7 +425,8 @@ def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str |
     root = obj.root
     here = provenance.detect_profile()
     if plan_only:
-        _print_plan(root, profile or here, list(names) or None, profile, gpus, as_json)
+        _print_plan(root, provenance.hardware_of(profile) if profile else here, list(names) or None, profile, gpus,
+                    as_json)
         return
     ids = _gpu_ids(gpus)
     verdicts = verify(root, here, list(names) or None, profile, progress=not as_json, log=_log, gpus=ids)

@@ -163,3 +163,15 @@ def test_verify_plan_lists_what_would_run_and_runs_nothing(tmp_path):
     (root / "baselines" / "up.yaml").write_text(yaml.safe_dump(rec))
     r = cli(root, "verify", "--plan")
     assert r.exit_code == 0 and "(cells)" in r.stdout and "up" in r.stdout.split("(cells):")[1]
+
+
+def test_verify_plan_of_a_variant_profile_plans_for_its_machine(tmp_path):
+    """`--plan --profile cpu.v` plans what a verify of the variant would re-run on a cpu machine (the variant's
+    records run there); it used to compare the variant's name with itself as the machine and plan nothing."""
+    root = make_repo(tmp_path, one=runbook_text(profiles="{cpu: {}, cpu.v: {value: 2.0}}"))
+    assert cli(root, "run", "one", "--record", "--profile", "cpu.v").exit_code == 0
+    import json
+
+    r = cli(root, "verify", "--plan", "--profile", "cpu.v", "--json")
+    assert r.exit_code == 0, r.output
+    assert [(x["runbook"], x["profile"]) for x in json.loads(r.stdout)["plan"]] == [("one", "cpu.v")]
