@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# A job longer than one call of a lent GPU machine (each command there is cut at 10 minutes; the machine stays up
+# between calls that follow each other closely): start it detached from the call, then wait for it across calls.
+#
+#   scripts/device-job.sh start NAME 'COMMAND'   run COMMAND (bash) in a session of its own, so that it outlives
+#                                                the call; its output goes to /tmp/job-NAME.log
+#   scripts/device-job.sh wait NAME SECONDS      wait up to SECONDS for it to end, then print the log's tail
+#
+# Exit (wait): the job's own exit code once it has ended; 124 while it still runs; 2 for bad arguments or an
+# unknown job.
+set -uo pipefail
+usage() { echo "usage: $0 start NAME 'COMMAND' | wait NAME SECONDS" >&2; exit 2; }
+[ "$#" -eq 3 ] || usage
+verb=$1 name=$2
+case $name in *[!A-Za-z0-9_-]*|"") echo "job name: letters, digits, '-' and '_' only" >&2; exit 2 ;; esac
+log=/tmp/job-$name.log rc=/tmp/job-$name.rc
+case $verb in
+  start)
+    [ ! -e "$log" ] || { echo "job $name was already started (see $log)" >&2; exit 2; }
+    rm -f "$rc"
+    # setsid: the call's end kills its process group, not a new session; rc is written last, once the job is over
+    setsid bash -c 'bash -c "$1"; echo $? > "$2.tmp" && mv "$2.tmp" "$2"' job "$3" "$rc" > "$log" 2>&1 < /dev/null &
+    echo "job $name started: pid $!, log $log"
+    ;;
+  wait)
+    case $3 in *[!0-9]*|"") usage ;; esac
+    [ -e "$log" ] || { echo "no job $name here (nothing at $log)" >&2; exit 2; }
+    end=$((SECONDS + $3))
+    while [ ! -e "$rc" ] && [ "$SECONDS" -lt "$end" ]; do sleep 2; done
+    tail -n 40 "$log"
+    if [ -e "$rc" ]; then
+      code=$(cat "$rc")
+      echo "job $name ended: exit $code"
+      exit "$code"
+    fi
+    echo "job $name still running after ${3}s (log $log)"
+    exit 124
+    ;;
+  *) usage ;;
+esac
