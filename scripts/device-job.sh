@@ -2,9 +2,14 @@
 # A job longer than one call of a lent GPU machine (each command there is cut at 10 minutes; the machine stays up
 # between calls that follow each other closely): start it detached from the call, then wait for it across calls.
 #
-#   scripts/device-job.sh start NAME 'COMMAND'   run COMMAND (bash) in a session of its own, so that it outlives
-#                                                the call; its output goes to /tmp/job-NAME.log
+#   scripts/device-job.sh start NAME 'COMMAND'   copy this tree to /tmp/job-NAME/tree and run COMMAND (bash) there,
+#                                                in a session of its own so that it outlives the call; its output
+#                                                goes to /tmp/job-NAME/log
 #   scripts/device-job.sh wait NAME SECONDS      wait up to SECONDS for it to end, then print the log's tail
+#
+# The job runs in a copy because every call re-sends the working tree and copies it over the machine's, tracked
+# files included: records a job wrote into the tree the call started in are overwritten by the next call's copy.
+# Take what a job made from /tmp/job-NAME/tree (e.g. into $OUT) once `wait` says it ended.
 #
 # Exit (wait): the job's own exit code once it has ended; 124 while it still runs; 2 for bad arguments or an
 # unknown job.
@@ -13,14 +18,16 @@ usage() { echo "usage: $0 start NAME 'COMMAND' | wait NAME SECONDS" >&2; exit 2;
 [ "$#" -eq 3 ] || usage
 verb=$1 name=$2
 case $name in *[!A-Za-z0-9_-]*|"") echo "job name: letters, digits, '-' and '_' only" >&2; exit 2 ;; esac
-log=/tmp/job-$name.log rc=/tmp/job-$name.rc
+dir=/tmp/job-$name
+log=$dir/log rc=$dir/rc
 case $verb in
   start)
-    [ ! -e "$log" ] || { echo "job $name was already started (see $log)" >&2; exit 2; }
-    rm -f "$rc"
+    [ ! -e "$dir" ] || { echo "job $name was already started (see $log)" >&2; exit 2; }
+    mkdir -p "$dir" && cp -a . "$dir/tree" || { echo "could not copy this tree to $dir/tree" >&2; exit 2; }
+    cd "$dir/tree" || exit 2
     # setsid: the call's end kills its process group, not a new session; rc is written last, once the job is over
     setsid bash -c 'bash -c "$1"; echo $? > "$2.tmp" && mv "$2.tmp" "$2"' job "$3" "$rc" > "$log" 2>&1 < /dev/null &
-    echo "job $name started: pid $!, log $log"
+    echo "job $name started in $dir/tree: pid $!, log $log"
     ;;
   wait)
     case $3 in *[!0-9]*|"") usage ;; esac
