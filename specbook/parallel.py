@@ -8,6 +8,20 @@ preparation, launches) with each other's GPU work. A runbook starts once the run
 profile) have finished, which leaves their outputs built for it; among the ready ones the runbook with the longest
 chain of dependents goes first, since the chain bounds the wall time. The children's verdicts are merged as if one
 process had judged them all. `runbook record` schedules `runbook run NAME --record` children the same way.
+
+With the timing lock (`[tool.specbook] timing_lock = true`: the project's engine keeps its protocol) the exact
+runbooks also run beside a timing one on its GPU, and the timing runbook has the device to itself only while it
+times. Each child on a GPU gets TIMING_LOCK_ENV, the path of that GPU's lock file, and TIMING_ROLE_ENV, its role:
+- "timer" (a runbook that records a timing): around each timed section it takes PATH.turn exclusively, then PATH
+  exclusively, and releases both after it;
+- "background" (a runbook whose numbers are all exact): from its start it holds PATH shared, taking it only through
+  PATH.turn (shared, and let go at once), and at every yield point between units of its GPU work (a training step,
+  one generation) it finds out whether a timer holds PATH.turn; if one does, it waits for its device's queued work to
+  finish, lets PATH go and waits at PATH.turn until the timer is done.
+So a timed section starts once every background process has reached a yield point and emptied its queue, nothing
+but the timer runs on the device (or the host's cores) while it times, and the untimed rest of every runbook - the
+compiles, captures and training that are most of a timing runbook's wall time - overlaps. The locks are flock(2)
+locks: the kernel lets go of a process's locks when it ends, so a crashed child blocks no one.
 """
 
 from __future__ import annotations
@@ -23,6 +37,8 @@ from typing import Callable
 
 
 SHARE = 3  # runbooks with only exact numbers at once on one GPU
+TIMING_LOCK_ENV = "SPECBOOK_TIMING_LOCK"  # a GPU's lock file (PATH and PATH.turn), set for each child on it
+TIMING_ROLE_ENV = "SPECBOOK_TIMING_ROLE"  # "timer" or "background"
 
 
 @dataclass(frozen=True)
@@ -46,6 +62,14 @@ class Finished:
     slot: str
 
 
+def sharing(lock: bool) -> str:
+    """How runbooks share a GPU, in words, for the log lines of verify and record."""
+    if lock:
+        return (f"one that times something has its GPU to itself while it times (the timing lock), up to {SHARE} "
+                "whose numbers are all exact beside it")
+    return f"one that times something has its GPU to itself, up to {SHARE} whose numbers are all exact share one"
+
+
 def chain_lengths(jobs: list[Job]) -> dict[str, int]:
     """For each job, the number of jobs on its longest chain of dependents, itself included."""
     dependents: dict[str, list[str]] = {j.key: [] for j in jobs}
@@ -63,10 +87,11 @@ def chain_lengths(jobs: list[Job]) -> dict[str, int]:
 
 
 def schedule(jobs: list[Job], slots: list[str], start: Callable[[Job, str], subprocess.Popen],
-             log: Callable[[str], None], poll_s: float = 0.2, share: int = 1) -> list[Finished]:
+             log: Callable[[str], None], poll_s: float = 0.2, share: int = 1, lock: bool = False) -> list[Finished]:
     """Run every job on one of `slots` (GPUs), dependencies first: an exclusive job alone on its slot, the others up
-    to `share` at a time on a slot without an exclusive one. A job whose dependency failed still runs: its own
-    verify then builds what it needs, or fails with the reason."""
+    to `share` at a time on a slot without an exclusive one; with `lock` (the timing lock), up to `share` others
+    beside one exclusive job. A job whose dependency failed still runs: its own verify then builds what it needs, or
+    fails with the reason."""
     keys = {j.key for j in jobs}
     jobs = [Job(j.name, j.profile, frozenset(a for a in j.after if a in keys), j.exclusive) for j in jobs]
     rank = chain_lengths(jobs)
@@ -76,7 +101,7 @@ def schedule(jobs: list[Job], slots: list[str], start: Callable[[Job, str], subp
     finished_keys: set[str] = set()
     while waiting or running:
         for job in [j for j in waiting if j.after <= finished_keys]:
-            slot = _place(job, on, share)
+            slot = _place(job, on, share, lock)
             if slot is None:
                 continue
             on[slot].append(job)
@@ -97,7 +122,8 @@ def schedule(jobs: list[Job], slots: list[str], start: Callable[[Job, str], subp
     return done
 
 
-def estimate(jobs: list[Job], slots: list[str], seconds: dict[str, float], share: int = 1) -> float:
+def estimate(jobs: list[Job], slots: list[str], seconds: dict[str, float], share: int = 1,
+             lock: bool = False) -> float:
     """Wall seconds `schedule` would take if each job ran as long as `seconds` says (0 where unknown) and jobs that
     share a slot did not slow each other: the same order and placement, simulated. A lower bound for shared jobs
     (they compete for the GPU), exact for the others."""
@@ -113,7 +139,7 @@ def estimate(jobs: list[Job], slots: list[str], seconds: dict[str, float], share
     now = 0.0
     while waiting or running:
         for job in [j for j in waiting if j.after <= finished]:
-            slot = _place(job, on, share)
+            slot = _place(job, on, share, lock)
             if slot is not None:
                 on[slot].append(job)
                 running.append((now + seconds.get(job.key, 0.0), job, slot))
@@ -126,22 +152,31 @@ def estimate(jobs: list[Job], slots: list[str], seconds: dict[str, float], share
     return now
 
 
-def _place(job: Job, on: dict[str, list[Job]], share: int) -> str | None:
-    """A slot the job may start on now, the least busy first; None: wait."""
-    if job.exclusive:
-        return next((s for s, jobs in on.items() if not jobs), None)
-    fits = [s for s, jobs in on.items() if len(jobs) < share and not any(j.exclusive for j in jobs)]
-    return min(fits, key=lambda s: len(on[s]), default=None)
+def _place(job: Job, on: dict[str, list[Job]], share: int, lock: bool = False) -> str | None:
+    """A slot the job may start on now, the least busy first; None: wait. An exclusive job needs a slot without
+    another exclusive one, and without the lock a slot to itself; the others a slot with fewer than `share` of
+    their kind, and without the lock one where no exclusive job runs."""
+    def fits(s: str) -> bool:
+        timing = [j for j in on[s] if j.exclusive]
+        if job.exclusive:
+            return not timing and (lock or not on[s])
+        return len(on[s]) - len(timing) < share and (lock or not timing)
+
+    return min((s for s in on if fits(s)), key=lambda s: len(on[s]), default=None)
 
 
-def child(root: Path, scratch: Path, log: Callable[[str], None],
-          argv: Callable[[Job], list[str]]) -> Callable[[Job, str], subprocess.Popen]:
+def child(root: Path, scratch: Path, log: Callable[[str], None], argv: Callable[[Job], list[str]],
+          lock: bool = False) -> Callable[[Job, str], subprocess.Popen]:
     """A starter for `schedule`: `runbook ARGV(job)` on GPU `slot`, its stdout written to a file under `scratch` (a
-    pipe could fill and stall the child), its log lines relayed with the GPU as prefix."""
+    pipe could fill and stall the child), its log lines relayed with the GPU as prefix; with `lock`, the timing
+    lock's variables for its GPU and role (the module doc)."""
     scratch.mkdir(parents=True, exist_ok=True)
 
     def start(job: Job, slot: str) -> subprocess.Popen:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": slot, "PYTHONUNBUFFERED": "1"}
+        if lock:
+            env[TIMING_LOCK_ENV] = str(lock_file(scratch, slot))
+            env[TIMING_ROLE_ENV] = "timer" if job.exclusive else "background"
         output = scratch / f"{job.name}-{job.profile}.json"
         with output.open("w") as f:
             proc = subprocess.Popen([sys.executable, "-m", "specbook.cli", "--root", str(root), *argv(job)], env=env,
@@ -153,14 +188,24 @@ def child(root: Path, scratch: Path, log: Callable[[str], None],
     return start
 
 
-def verify_child(root: Path, scratch: Path, log: Callable[[str], None]) -> Callable[[Job, str], subprocess.Popen]:
+def lock_file(scratch: Path, slot: str) -> Path:
+    """GPU `slot`'s timing lock (and PATH.turn beside it), made if missing: the children only open them."""
+    path = scratch / f"gpu-{slot}.timing.lock"
+    for p in (path, path.with_name(path.name + ".turn")):
+        p.touch()
+    return path
+
+
+def verify_child(root: Path, scratch: Path, log: Callable[[str], None],
+                 lock: bool = False) -> Callable[[Job, str], subprocess.Popen]:
     """`runbook verify NAME --profile P --json`, its verdicts as JSON in the output file."""
-    return child(root, scratch, log, lambda j: ["verify", j.name, "--profile", j.profile, "--json"])
+    return child(root, scratch, log, lambda j: ["verify", j.name, "--profile", j.profile, "--json"], lock)
 
 
-def record_child(root: Path, scratch: Path, log: Callable[[str], None]) -> Callable[[Job, str], subprocess.Popen]:
+def record_child(root: Path, scratch: Path, log: Callable[[str], None],
+                 lock: bool = False) -> Callable[[Job, str], subprocess.Popen]:
     """`runbook run NAME --record --profile P --json`: the run recorded, its metrics as JSON in the output file."""
-    return child(root, scratch, log, lambda j: ["run", j.name, "--record", "--profile", j.profile, "--json"])
+    return child(root, scratch, log, lambda j: ["run", j.name, "--record", "--profile", j.profile, "--json"], lock)
 
 
 def _relay(proc: subprocess.Popen, prefix: str, log: Callable[[str], None]) -> None:

@@ -2,6 +2,8 @@
 
     [tool.specbook]
     engine_package = "engine"      # the package whose code a runbook's engine hash covers (engine_hash)
+    timing_lock = true             # the engine keeps the timing lock (specbook.parallel): exact runbooks may run
+                                   # beside a timing one on its GPU
     [tool.specbook.inputs]         # named inputs a runbook may declare (`inputs: [corpus]`)
     corpus = "engine.train.corpus:manifest_hash"   # module:function, called without arguments, returns a hash
 
@@ -33,6 +35,7 @@ _PACKAGE = re.compile(r"^[A-Za-z_]\w*$")
 class Settings:
     engine_package: str | None = None  # None: no engine code is fingerprinted
     inputs: dict[str, str] = field(default_factory=dict)  # name -> "module:function"
+    timing_lock: bool = False  # the engine keeps the timing lock's protocol (specbook.parallel, TIMING_LOCK_ENV)
 
 
 def settings(root: Path) -> Settings:
@@ -62,7 +65,10 @@ def _load(path: Path, mtime_ns: int, size: int) -> Settings:
     for name, target in inputs.items():
         if not (isinstance(target, str) and _TARGET.match(target)):
             raise SpecbookError(f"{path}: tool.specbook.inputs.{name} must be \"module:function\", not {target!r}")
-    return Settings(package, dict(inputs))
+    timing_lock = tool.get("timing_lock", False)
+    if not isinstance(timing_lock, bool):
+        raise SpecbookError(f"{path}: tool.specbook.timing_lock must be true or false, not {timing_lock!r}")
+    return Settings(package, dict(inputs), timing_lock)
 
 
 def input_function(target: str) -> Callable[[], object]:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from specbook import RunFailed
+from specbook import RunFailed, project
 from specbook.execute import run, target
-from specbook.parallel import SHARE, Job, record_child, schedule
+from specbook.parallel import SHARE, Job, record_child, schedule, sharing
 from specbook.runbooks import check_name, discover, load
 from specbook.verify import times_something
 
@@ -54,9 +54,11 @@ def record_all(root: Path, todo: list[Job], gpus: list[str], log: Callable[[str]
                progress: bool = True) -> list[Recorded]:
     """Record each job's runbook; on `gpus` through children, else one after another here."""
     if gpus:
-        log(f"recording {len(todo)} runbooks on {len(gpus)} GPU(s) ({', '.join(gpus)}): one that times something "
-            f"(or has no record yet) has its GPU to itself, up to {SHARE} whose numbers are all exact share one")
-        done = schedule(todo, gpus, record_child(root, root / ".specbook" / "parallel", log), log, share=SHARE)
+        lock = project.settings(root).timing_lock
+        log(f"recording {len(todo)} runbooks on {len(gpus)} GPU(s) ({', '.join(gpus)}): {sharing(lock)} (one without a "
+            "record yet counts as timing)")
+        done = schedule(todo, gpus, record_child(root, root / ".specbook" / "parallel", log, lock), log, share=SHARE,
+                        lock=lock)
         return [_from_child(f.job, f.returncode, f.stdout) for f in done]
     out: list[Recorded] = []
     recorded: set[str] = set()

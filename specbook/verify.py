@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from specbook import RunFailed, SpecbookError, provenance, records
+from specbook import RunFailed, SpecbookError, project, provenance, records
 from specbook.execute import EXECUTED, Target, notebook_seconds, run, target
-from specbook.parallel import SHARE, Job, estimate, schedule, verify_child
+from specbook.parallel import SHARE, Job, estimate, schedule, sharing, verify_child
 from specbook.provenance import canonical, sha
 from specbook.runbooks import check_name, check_profile, discover, load
 
@@ -289,7 +289,7 @@ def plan(root: Path, here: str, names: list[str] | None = None, profile: str | N
     if not gpus:
         return out, total, total
     jobs = [Job(x.runbook, x.profile, frozenset(f"{d}/{x.profile}" for d in x.after), not x.shares_gpu) for x in out]
-    return out, estimate(jobs, gpus, seconds, share=SHARE), total
+    return out, estimate(jobs, gpus, seconds, share=SHARE, lock=project.settings(root).timing_lock), total
 
 
 def _rerun_parallel(root: Path, todo: list[tuple[str, str, dict, list[Verdict]]], gpus: list[str],
@@ -297,10 +297,10 @@ def _rerun_parallel(root: Path, todo: list[tuple[str, str, dict, list[Verdict]]]
     """Each runbook re-measured by a child `runbook verify` on one GPU, dependencies first."""
     jobs = [Job(n, p, frozenset(f"{d}/{p}" for d in target(root, n, p).upstream), _times(prof))
             for n, p, prof, _ in todo]
-    log(f"re-measuring {len(jobs)} runbooks on {len(gpus)} GPU(s) ({', '.join(gpus)}): one that times something has "
-        f"its GPU to itself, up to {SHARE} whose numbers are all exact share one")
-    done = {f.job.key: f for f in schedule(jobs, gpus, verify_child(root, root / ".specbook" / "parallel", log),
-                                           log, share=SHARE)}
+    lock = project.settings(root).timing_lock
+    log(f"re-measuring {len(jobs)} runbooks on {len(gpus)} GPU(s) ({', '.join(gpus)}): {sharing(lock)}")
+    done = {f.job.key: f for f in schedule(jobs, gpus, verify_child(root, root / ".specbook" / "parallel", log, lock),
+                                           log, share=SHARE, lock=lock)}
     out = {}
     for n, p, _, static in todo:
         f = done[f"{n}/{p}"]

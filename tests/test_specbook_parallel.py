@@ -7,6 +7,7 @@ import sys
 import time
 
 import yaml
+from pathlib import Path
 
 from specbook.parallel import Job, chain_lengths, estimate, schedule
 from specbook.verify import FRESH, verify
@@ -175,3 +176,73 @@ def test_verify_plan_of_a_variant_profile_plans_for_its_machine(tmp_path):
     r = cli(root, "verify", "--plan", "--profile", "cpu.v", "--json")
     assert r.exit_code == 0, r.output
     assert [(x["runbook"], x["profile"]) for x in json.loads(r.stdout)["plan"]] == [("one", "cpu.v")]
+
+
+def _spans(jobs: list[Job], lock: bool, share: int = 3) -> dict[str, tuple[float, float]]:
+    """When each job ran under `schedule` on one slot (each job a 0.3 s sleep), from its own log lines."""
+    import tempfile
+
+    log = Path(tempfile.mkdtemp()) / "events"
+
+    def start(job: Job, slot: str) -> subprocess.Popen:
+        code = ("import sys, time; f = open(sys.argv[1], 'a'); t0 = time.monotonic(); time.sleep(0.3); "
+                "f.write(f'{sys.argv[2]} {t0} {time.monotonic()}\\n')")
+        return subprocess.Popen([sys.executable, "-c", code, str(log), job.name])
+
+    done = schedule(jobs, ["0"], start, log=lambda m: None, poll_s=0.02, share=share, lock=lock)
+    assert all(f.returncode == 0 for f in done)
+    return {name: (float(a), float(b)) for name, a, b in (line.split() for line in log.read_text().splitlines())}
+
+
+def test_with_the_timing_lock_exact_jobs_run_beside_a_timing_one_and_timing_jobs_never_overlap():
+    jobs = [Job("t1", "h200", frozenset()), Job("t2", "h200", frozenset()),
+            Job("target", "h200", frozenset(), exclusive=False),
+            Job("drafter", "h200", frozenset({"target/h200"}), exclusive=False)]
+
+    def overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
+        return a[0] < b[1] and b[0] < a[1]
+
+    locked = _spans(jobs, lock=True)
+    assert not overlap(locked["t1"], locked["t2"])  # one timing runbook at a time, lock or not
+    assert any(overlap(locked[t], locked[e]) for t in ("t1", "t2") for e in ("target", "drafter"))
+    unlocked = _spans(jobs, lock=False)
+    assert not any(overlap(unlocked[a], unlocked[b]) for a in ("t1", "t2") for b in unlocked if b != a)
+
+
+def test_estimate_with_the_timing_lock():
+    """Hand-computed, one GPU: the chain target (4 s) -> drafter (6 s) -> a, b (6 s each) and two timing jobs of
+    10 s. With the lock t1 runs beside the chain from the start (target 0-4, drafter 4-10), t2 beside a and b
+    (10-16): 20 s; with one exact job at a time b waits for a: 22 s. Without it the chain goes first, then t1, t2,
+    and a and b last: 4 + 6 + 10 + 10 + 6 = 36 s."""
+    e = lambda *a: frozenset(f"{x}/h200" for x in a)  # noqa: E731
+    jobs = [Job("t1", "h200", e()), Job("t2", "h200", e()), Job("target", "h200", e(), exclusive=False),
+            Job("drafter", "h200", e("target"), exclusive=False), Job("a", "h200", e("drafter"), exclusive=False),
+            Job("b", "h200", e("drafter"), exclusive=False)]
+    secs = {"t1/h200": 10, "t2/h200": 10, "target/h200": 4, "drafter/h200": 6, "a/h200": 6, "b/h200": 6}
+    assert estimate(jobs, ["0"], secs, share=3, lock=True) == 20
+    assert estimate(jobs, ["0"], secs, share=1, lock=True) == 22
+    assert estimate(jobs, ["0"], secs, share=3, lock=False) == 36
+
+
+def test_children_get_their_gpus_lock_and_role(tmp_path, monkeypatch):
+    from specbook import parallel
+
+    seen: list[dict] = []
+
+    class Proc:
+        stderr = iter(())
+
+        def __init__(self, argv, env, **kw):
+            seen.append(env)
+
+    monkeypatch.setattr(parallel.subprocess, "Popen", Proc)
+    start = parallel.verify_child(tmp_path, tmp_path / "scratch", log=lambda m: None, lock=True)
+    start(Job("t", "h200", frozenset()), "1")
+    start(Job("e", "h200", frozenset(), exclusive=False), "1")
+    lock = tmp_path / "scratch" / "gpu-1.timing.lock"
+    assert [(env[parallel.TIMING_LOCK_ENV], env[parallel.TIMING_ROLE_ENV], env["CUDA_VISIBLE_DEVICES"])
+            for env in seen] == [(str(lock), "timer", "1"), (str(lock), "background", "1")]
+    assert lock.exists() and lock.with_name(lock.name + ".turn").exists()  # made before the children open them
+    seen.clear()
+    parallel.record_child(tmp_path, tmp_path / "scratch", log=lambda m: None)(Job("t", "h200", frozenset()), "0")
+    assert parallel.TIMING_LOCK_ENV not in seen[0] and parallel.TIMING_ROLE_ENV not in seen[0]  # no lock: no variables

@@ -38,12 +38,22 @@ def test_a_configured_input_is_known_to_headers_and_fingerprinted(tmp_path, monk
     ('[tool.specbook]\nengine_package = "a/b"\n', "engine_package must be a top-level package name"),
     ('[tool.specbook]\ninputs = ["corpus"]\n', r"\[tool.specbook.inputs\] must be a table"),
     ("[tool.specbook\n", "pyproject.toml: unreadable"),
+    ('[tool.specbook]\ntiming_lock = "yes"\n', "timing_lock must be true or false"),
 ])
 def test_bad_configuration_is_one_clear_line(tmp_path, body, message):
     root = make_repo(tmp_path / "repo", up=runbook_text())
     configure(root, body)
     with pytest.raises(SpecbookError, match=message):
         runbooks.load(root, "up")
+
+
+def test_the_timing_lock_is_off_unless_the_project_says_its_engine_keeps_it(tmp_path):
+    from specbook import project
+
+    root = make_repo(tmp_path / "repo")
+    assert project.settings(root).timing_lock is False
+    configure(root, '[tool.specbook]\nengine_package = "engine"\ntiming_lock = true\n')
+    assert project.settings(root).timing_lock is True
 
 
 def test_the_engine_hash_covers_the_configured_package(tmp_path):
