@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from specbook import SpecbookError, execute, provenance, records
+from specbook import SpecbookError, execute, parallel, provenance, records
 from specbook.execute import Target, target
 from specbook.execute import run as run_target
 from specbook.runbooks import check_name, check_profile, discover, find_root, load, parse_cli
@@ -133,6 +133,7 @@ class Group(click.Group):
 @click.pass_context
 def main(ctx: click.Context, root: str | None) -> None:
     """Runbooks, recorded baselines and their verification."""
+    parallel.adopt_timing_lock()  # a child of verify or record: the timing lock is for its runbooks' kernels
     ctx.obj = Ctx(root)
 
 

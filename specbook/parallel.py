@@ -21,7 +21,10 @@ times. Each child on a GPU gets TIMING_LOCK_ENV, the path of that GPU's lock fil
 So a timed section starts once every background process has reached a yield point and emptied its queue, nothing
 but the timer runs on the device (or the host's cores) while it times, and the untimed rest of every runbook - the
 compiles, captures and training that are most of a timing runbook's wall time - overlaps. The locks are flock(2)
-locks: the kernel lets go of a process's locks when it ends, so a crashed child blocks no one.
+locks: the kernel lets go of a process's locks when it ends, so a crashed child blocks no one. A child `runbook`
+process takes the variables out of its own environment and gives them to its runbooks' kernels (kernel_env); around
+runs of an engine that may not keep the protocol (the recorded commit's tree, in an interleaved A/B) a timer child
+holds its GPU itself (exclusive).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -39,6 +44,46 @@ from typing import Callable
 SHARE = 3  # runbooks with only exact numbers at once on one GPU
 TIMING_LOCK_ENV = "SPECBOOK_TIMING_LOCK"  # a GPU's lock file (PATH and PATH.turn), set for each child on it
 TIMING_ROLE_ENV = "SPECBOOK_TIMING_ROLE"  # "timer" or "background"
+_timing: tuple[str, str] | None = None  # this child's (lock path, role), taken out of its environment
+_held = 0  # depth of exclusive() blocks: the timer holds its GPU itself
+
+
+def adopt_timing_lock() -> None:
+    """A child `runbook` process: take the timing lock's variables out of its environment and keep them for the
+    kernels of its runbooks (kernel_env). They are not this process's: it imports project code (an input's hash)
+    but does no device work, and the engine would otherwise hold the device for it."""
+    global _timing
+    path, role = os.environ.pop(TIMING_LOCK_ENV, None), os.environ.pop(TIMING_ROLE_ENV, None)
+    _timing = (path, role or "timer") if path else None
+
+
+def kernel_env() -> dict[str, str]:
+    """The variables a runbook kernel of this tree gets: the lock's, unless this process holds the lock itself."""
+    if _timing is None or _held:
+        return {}
+    return {TIMING_LOCK_ENV: _timing[0], TIMING_ROLE_ENV: _timing[1]}
+
+
+@contextmanager
+def exclusive() -> Iterator[None]:
+    """A timer child holds its GPU itself for the block, as one timed section: for runs whose engine may not keep
+    the protocol (the recorded commit's tree, in an interleaved A/B). Kernels started inside get no lock variables.
+    Anywhere else, nothing."""
+    global _held
+    if _timing is None or _timing[1] != "timer" or _held:
+        yield
+        return
+    import fcntl  # POSIX, as the lock is: only a machine whose GPUs a runner shares gets here
+
+    path = _timing[0]
+    with open(path + ".turn", "a") as turn, open(path, "a") as device:
+        fcntl.flock(turn, fcntl.LOCK_EX)  # the background processes stop at their next yield point
+        fcntl.flock(device, fcntl.LOCK_EX)  # ... and have let the device go
+        _held += 1
+        try:
+            yield
+        finally:
+            _held -= 1  # closing the files lets both locks go
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ here, only current or stale. `status` hashes; `verify` re-runs what this machine
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import io
 import json
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from specbook import RunFailed, SpecbookError, project, provenance, records
+from specbook import RunFailed, SpecbookError, parallel, project, provenance, records
 from specbook.execute import EXECUTED, Target, notebook_seconds, run, target
 from specbook.parallel import SHARE, Job, estimate, schedule, sharing, verify_child
 from specbook.provenance import canonical, sha
@@ -388,12 +389,13 @@ def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], progress
            "twice more against the record" + (" (code and parameters as recorded)" if unchanged else ""))
     log(f"{name} ({profile}): {len(drifted)} noisy number(s) outside tolerance; measuring {how}")
     pairs: list[tuple[dict | None, dict | None]] = []
-    for _ in range(3 if ta else 2):
-        a = _measure_or_none(a_root, ta, progress, log) if ta else None
-        pairs.append((a, _measure_or_none(root, t, progress, log)))
-        if len(pairs) == (2 if ta else 1) and all(_settled(v, prof["metrics"][v.metric], pairs) for v in drifted):
-            log(f"{name} ({profile}): the runs so far agree; one more could not change the verdict")
-            break
+    with parallel.exclusive() if ta else contextlib.nullcontext():  # the recorded engine may not keep the lock
+        for _ in range(3 if ta else 2):
+            a = _measure_or_none(a_root, ta, progress, log) if ta else None
+            pairs.append((a, _measure_or_none(root, t, progress, log)))
+            if len(pairs) == (2 if ta else 1) and all(_settled(v, prof["metrics"][v.metric], pairs) for v in drifted):
+                log(f"{name} ({profile}): the runs so far agree; one more could not change the verdict")
+                break
     for v in drifted:
         _rejudge(v, prof["metrics"][v.metric], pairs, unchanged)
 

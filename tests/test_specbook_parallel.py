@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import yaml
-from pathlib import Path
 
 from specbook.parallel import Job, chain_lengths, estimate, schedule
 from specbook.verify import FRESH, verify
@@ -246,3 +247,48 @@ def test_children_get_their_gpus_lock_and_role(tmp_path, monkeypatch):
     seen.clear()
     parallel.record_child(tmp_path, tmp_path / "scratch", log=lambda m: None)(Job("t", "h200", frozenset()), "0")
     assert parallel.TIMING_LOCK_ENV not in seen[0] and parallel.TIMING_ROLE_ENV not in seen[0]  # no lock: no variables
+
+
+def test_a_child_keeps_the_lock_for_its_kernels_and_can_hold_the_gpu_itself(tmp_path, monkeypatch):
+    """adopt_timing_lock takes the variables out of the child's own environment (it does no device work) and hands
+    them to its kernels; inside exclusive() a timer holds the GPU itself - a background holder is let in only
+    after it - and its kernels get no variables (they would wait for the lock their parent holds)."""
+    from specbook import parallel
+
+    lock = parallel.lock_file(tmp_path, "0")
+    monkeypatch.setenv(parallel.TIMING_LOCK_ENV, str(lock))
+    monkeypatch.setenv(parallel.TIMING_ROLE_ENV, "timer")
+    monkeypatch.setattr(parallel, "_timing", None)
+    parallel.adopt_timing_lock()
+    assert parallel.TIMING_LOCK_ENV not in os.environ and parallel.TIMING_ROLE_ENV not in os.environ
+    assert parallel.kernel_env() == {parallel.TIMING_LOCK_ENV: str(lock), parallel.TIMING_ROLE_ENV: "timer"}
+    # a background process as the protocol has it: pass the turnstile, then hold the device shared
+    holder = ("import fcntl, sys, time; turn = open(sys.argv[1] + '.turn', 'a'); dev = open(sys.argv[1], 'a'); "
+              "fcntl.flock(turn, fcntl.LOCK_SH); fcntl.flock(turn, fcntl.LOCK_UN); fcntl.flock(dev, fcntl.LOCK_SH); "
+              "print(time.monotonic(), flush=True)")
+    with parallel.exclusive():
+        assert parallel.kernel_env() == {}
+        proc = subprocess.Popen([sys.executable, "-c", holder, str(lock)], stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        assert proc.poll() is None  # still waiting at the turnstile
+        released = time.monotonic()
+    assert float(proc.communicate(timeout=10)[0]) >= released
+    assert parallel.kernel_env() != {}
+    monkeypatch.setattr(parallel, "_timing", None)
+    with parallel.exclusive():  # no lock: nothing to hold
+        assert parallel.kernel_env() == {}
+
+
+def test_the_runbook_kernel_gets_the_lock_its_runner_process_gave_up(tmp_path, monkeypatch):
+    from specbook import parallel
+
+    body = ('import os\nrecord("has_lock", float(os.environ.get("SPECBOOK_TIMING_ROLE") == "background"), unit="n", '
+            'direction="none", kind="exact")')
+    root = make_repo(tmp_path, one=runbook_text(body=body))
+    monkeypatch.setattr(parallel, "_timing", None)  # restored after the test: no other test's kernel gets it
+    monkeypatch.setenv(parallel.TIMING_LOCK_ENV, str(parallel.lock_file(tmp_path, "0")))
+    monkeypatch.setenv(parallel.TIMING_ROLE_ENV, "background")
+    assert cli(root, "run", "one", "--record").exit_code == 0
+    assert parallel.TIMING_ROLE_ENV not in os.environ  # the runner process gave it up ...
+    assert yaml.safe_load((root / "baselines" / "one.yaml").read_text())["profiles"]["cpu"]["metrics"]["has_lock"][
+        "value"] == 1.0  # ... and its runbook's kernel got it
