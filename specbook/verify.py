@@ -221,7 +221,7 @@ def verify(root: Path, here: str, names: list[str] | None = None, profile: str |
     more than one of `gpus`, the runbooks are spread over them (see specbook.parallel)."""
     groups = _groups(root, here, names, profile)
     todo = [g for g in groups if isinstance(g, tuple)]
-    if gpus and len(todo) > 1 and (len(gpus) > 1 or sum(not _times(prof) for _, _, prof, _ in todo) > 1):
+    if gpus and len(todo) > 1 and (len(gpus) > 1 or _share_one_gpu(root, [_times(prof) for _, _, prof, _ in todo])):
         judged = _rerun_parallel(root, todo, gpus, log)
     else:
         judged = {(n, p): _rerun(root, n, p, prof, static, progress, log) for n, p, prof, static in todo}
@@ -291,6 +291,13 @@ def plan(root: Path, here: str, names: list[str] | None = None, profile: str | N
         return out, total, total
     jobs = [Job(x.runbook, x.profile, frozenset(f"{d}/{x.profile}" for d in x.after), not x.shares_gpu) for x in out]
     return out, estimate(jobs, gpus, seconds, share=SHARE, lock=project.settings(root).timing_lock), total
+
+
+def _share_one_gpu(root: Path, timed: list[bool]) -> bool:
+    """Whether runbooks (whether each times something) could run side by side on one GPU: two whose numbers are all
+    exact, or with the timing lock one of them beside a timing one."""
+    exact = timed.count(False)
+    return exact > 1 or exact > 0 and any(timed) and project.settings(root).timing_lock
 
 
 def _rerun_parallel(root: Path, todo: list[tuple[str, str, dict, list[Verdict]]], gpus: list[str],

@@ -292,3 +292,19 @@ def test_the_runbook_kernel_gets_the_lock_its_runner_process_gave_up(tmp_path, m
     assert parallel.TIMING_ROLE_ENV not in os.environ  # the runner process gave it up ...
     assert yaml.safe_load((root / "baselines" / "one.yaml").read_text())["profiles"]["cpu"]["metrics"]["has_lock"][
         "value"] == 1.0  # ... and its runbook's kernel got it
+
+
+def test_one_gpu_spreads_an_exact_and_a_timing_runbook_only_with_the_timing_lock(tmp_path):
+    exact = 'record("y", 3, unit="n", direction="none", kind="exact")'
+    root = make_repo(tmp_path, one=runbook_text(), two=runbook_text(body=exact))
+    for name in ("one", "two"):
+        assert cli(root, "run", name, "--record").exit_code == 0
+    lines: list[str] = []
+    verify(root, "cpu", progress=False, log=lines.append, gpus=["0"])
+    assert not any("re-measuring" in line for line in lines)  # nothing could share the one GPU
+    pyproject = root / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text() + "timing_lock = true\n")
+    lines.clear()
+    vs = verify(root, "cpu", progress=False, log=lines.append, gpus=["0"])
+    assert [v.state for v in vs] == [FRESH, FRESH]
+    assert any("re-measuring 2 runbooks on 1 GPU(s)" in line for line in lines)
