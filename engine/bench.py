@@ -12,6 +12,7 @@ from typing import TypeVar
 
 import torch
 
+from engine import quiet
 from engine.errors import EngineError
 from engine.graphs import CapturedCall, GraphSet
 from engine.loading import transformers_twin
@@ -108,7 +109,8 @@ def random_prompt(vocab: int, n: int, seed: int) -> list[int]:
 
 def decode_stat(decoder, prompt: list[int], cfg: BenchConfig, weight_bytes: int, copy_gb_s: float) -> DecodeStat:
     decoder.generate(prompt, min(cfg.new_tokens, 8), seed=cfg.seed)  # capture graphs, warm caches
-    runs = [decoder.generate(prompt, cfg.new_tokens, seed=cfg.seed) for _ in range(cfg.repeats)]
+    with quiet.timed():  # the repeats in one quiet window, so they are alike
+        runs = [decoder.generate(prompt, cfg.new_tokens, seed=cfg.seed) for _ in range(cfg.repeats)]
     samples = [r.tok_s for r in runs]
     tok_s = statistics.median(samples)
     return DecodeStat(tok_s=tok_s, ms_per_token=1000.0 / tok_s, bw_util=weight_bytes * tok_s / (copy_gb_s * 1e9),
@@ -186,7 +188,7 @@ def profile_decode(gen: TargetDecoder, prompt: list[int], steps: int = 16,
 
     cuda = gen.device.type == "cuda"
     step, _, _ = gen.begin(prompt, steps + 1, SamplingParams(), 0)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    with quiet.timed(), profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(steps):
             step()
         sync(gen.device)
