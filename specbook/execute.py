@@ -38,7 +38,7 @@ from traitlets.config import Config
 
 from specbook import RunFailed, SpecbookError, parallel, records
 from specbook.fsutil import atomic_write
-from specbook.provenance import engine_hash, fingerprint, input_fingerprint, inputs_hash, now_iso
+from specbook.provenance import engine_hash, fingerprint, input_fingerprint, inputs_hash, kernel_environ, now_iso
 from specbook.record import RECORD_FILE_ENV, Metric, read_metrics
 from specbook.runbooks import Runbook, load
 
@@ -214,7 +214,8 @@ def execute(root: Path, rb: Runbook, params: dict[str, Any], notebook: Path, pro
         # the kernel imports this repository's engine first, also where PYTHONPATH names another checkout (a verify
         # runs the recorded commit's tree beside this one)
         path = os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])
-        with _environ({RECORD_FILE_ENV: str(records_file), "PYTHONPATH": path, **parallel.kernel_env()}), \
+        with _environ({**kernel_environ(root), RECORD_FILE_ENV: str(records_file), "PYTHONPATH": path,
+                       **parallel.kernel_env()}), \
                 _ipc_kernel() as config, \
                 _sigint_noted() as sigint:
             try:

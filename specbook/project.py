@@ -6,6 +6,8 @@
                                    # beside a timing one on its GPU
     [tool.specbook.inputs]         # named inputs a runbook may declare (`inputs: [corpus]`)
     corpus = "engine.train.corpus:manifest_hash"   # module:function, called without arguments, returns a hash
+    [tool.specbook.kernel_env]     # variables every runbook kernel starts with (unless the environment sets them)
+    MKL_CBWR = "AVX2"              # e.g. one code path for the CPU's math on every x86 machine
 
 specbook itself names no project package: what it fingerprints is configured here.
 """
@@ -36,6 +38,7 @@ class Settings:
     engine_package: str | None = None  # None: no engine code is fingerprinted
     inputs: dict[str, str] = field(default_factory=dict)  # name -> "module:function"
     timing_lock: bool = False  # the engine keeps the timing lock's protocol (specbook.parallel, TIMING_LOCK_ENV)
+    kernel_env: dict[str, str] = field(default_factory=dict)  # what every runbook kernel starts with
 
 
 def settings(root: Path) -> Settings:
@@ -68,7 +71,10 @@ def _load(path: Path, mtime_ns: int, size: int) -> Settings:
     timing_lock = tool.get("timing_lock", False)
     if not isinstance(timing_lock, bool):
         raise SpecbookError(f"{path}: tool.specbook.timing_lock must be true or false, not {timing_lock!r}")
-    return Settings(package, dict(inputs), timing_lock)
+    kernel_env = tool.get("kernel_env", {})
+    if not (isinstance(kernel_env, dict) and all(isinstance(v, str) for v in kernel_env.values())):
+        raise SpecbookError(f"{path}: [tool.specbook.kernel_env] must be a table of NAME = \"value\" (strings)")
+    return Settings(package, dict(inputs), timing_lock, dict(kernel_env))
 
 
 def input_function(target: str) -> Callable[[], object]:

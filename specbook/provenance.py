@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 from specbook import RunFailed, project
 
-ENV_PREFIXES = ("NCCL_", "CUDA_", "TORCH_", "OMP_", "PYTORCH_")  # environment variables that change performance
+# environment variables that change performance, or which code paths the CPU's math takes (and so its rounding)
+ENV_PREFIXES = ("NCCL_", "CUDA_", "TORCH_", "OMP_", "PYTORCH_", "ATEN_", "MKL_", "ONEDNN_", "DNNL_", "OPENBLAS_")
 
 # Named extra inputs a runbook may declare (`inputs: [corpus]`): the project's [tool.specbook.inputs]
 # (specbook/project.py), and any registered here in code (e.g. by tests), which win over the configured ones.
@@ -238,6 +239,27 @@ def versions() -> dict[str, str | None]:
             "transformers": _version("transformers"), "cuda": cuda, "papermill": _version("papermill")}
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_isa() -> str:
+    """The widest vector instructions the processor has (avx512, avx2, ...): on x86 the CPU's math picks its code
+    path by them unless told otherwise (kernel_environ), and paths round differently."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("flags", "features")):
+                flags = set(line.split(":", 1)[1].split())
+                return next((isa for isa, flag in (("avx512", "avx512f"), ("avx2", "avx2"), ("avx", "avx"),
+                                                    ("sve", "sve"), ("neon", "asimd")) if flag in flags), "other")
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def kernel_environ(root: Path) -> dict[str, str]:
+    """The variables a runbook kernel starts with: the project's [tool.specbook.kernel_env], each unless this
+    process's environment sets it (then that value, which the fingerprint records)."""
+    return {k: os.environ.get(k, v) for k, v in project.settings(root).kernel_env.items()}
+
+
 def fingerprint(root: Path, runbook_source: str | None = None, params: dict | None = None,
                 inputs: dict[str, str] | None = None) -> dict[str, Any]:
     """Provenance of a run on this machine (docs/architecture.md, Records)."""
@@ -252,8 +274,9 @@ def fingerprint(root: Path, runbook_source: str | None = None, params: dict | No
         "versions": versions(),
         "gpu": {"count": len(names), "names": sorted(set(names)), "driver": _driver() if names else None,
                 "uuids": list(gpu_uuids())},
-        "cpu": {"model": cpu_model(), "count": os.cpu_count()},
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
+        "cpu": {"model": cpu_model(), "count": os.cpu_count(), "isa": cpu_isa()},
+        "env": dict(sorted({**{k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)},
+                            **kernel_environ(root)}.items())),
         "sitecustomize": _customize(),
         "platform": platform.platform(),
         "profile": profile_of(names),

@@ -354,8 +354,8 @@ def _rerun(root: Path, name: str, profile: str, prof: dict, static: list[Verdict
                               provenance.fingerprint(root, t.rb.hashed_source))
     if env:
         note = "environment differs from the recorded run: " + "; ".join(env)
-        for v in judged:
-            if v.here and v.kind == "noisy":
+        for v in judged:  # the timings, and an exact number that moved: what may explain it
+            if v.here and (v.kind == "noisy" or v.state == DRIFTED):
                 v.detail = f"{v.detail}; {note}" if v.detail else note
     return judged
 
@@ -512,6 +512,9 @@ def environment_changes(run_entry: dict, now: dict[str, Any]) -> list[str]:
         a, b = then.get("versions", {}).get(k), now.get("versions", {}).get(k)
         if a != b and k != "engine":
             out.append(f"{k} {a} -> {b}")
+    isa_then, isa_now = (then.get("cpu") or {}).get("isa"), (now.get("cpu") or {}).get("isa")
+    if isa_then and isa_now and isa_then != isa_now:
+        out.append(f"CPU instructions {isa_then} -> {isa_now}")
     env_then, env_now = then.get("env", {}) or {}, now.get("env", {}) or {}
     for k in sorted((set(env_then) | set(env_now)) - {PINNED_DEVICE}):
         if env_then.get(k) != env_now.get(k):
