@@ -348,10 +348,10 @@ def _rerun(root: Path, name: str, profile: str, prof: dict, static: list[Verdict
         return [_failed(v, str(e)) if v.here else v for v in static]
     judged = [_judge(v, prof, first) if v.here else v for v in static]
     again = [v for v in judged if v.state == DRIFTED and v.kind == "noisy"]
+    now = provenance.fingerprint(root, t.rb.hashed_source)
     if again:
-        _confirm(root, t, prof, again, progress, log)
-    env = environment_changes(records.run_of(prof, next(iter(prof["metrics"].values()))["run"]),
-                              provenance.fingerprint(root, t.rb.hashed_source))
+        _confirm(root, t, prof, again, now, progress, log)
+    env = environment_changes(records.run_of(prof, next(iter(prof["metrics"].values()))["run"]), now)
     if env:
         note = "environment differs from the recorded run: " + "; ".join(env)
         for v in judged:  # the timings, and an exact number that moved: what may explain it
@@ -371,7 +371,23 @@ def _judge(v: Verdict, prof: dict, measured: dict[str, float]) -> Verdict:
     return v
 
 
-def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], progress: bool, log) -> None:
+def other_machine(run_entry: dict, now: dict[str, Any]) -> str | None:
+    """How the machine a run was recorded on differs from this one (processor model, core count, instruction set,
+    GPUs), or None: the same kind of machine. A timing is a fact about its machine."""
+    then = run_entry.get("provenance") or {}
+    out = []
+    for key in ("model", "count", "isa"):
+        a, b = (then.get("cpu") or {}).get(key), (now.get("cpu") or {}).get(key)
+        if a is not None and b is not None and a != b:
+            out.append(f"CPU {key} {a} -> {b}")
+    a, b = (then.get("gpu") or {}).get("names"), (now.get("gpu") or {}).get("names")
+    if a is not None and b is not None and list(a) != list(b):
+        out.append(f"GPUs {', '.join(a) or 'none'} -> {', '.join(b) or 'none'}")
+    return "; ".join(out) or None
+
+
+def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], now: dict[str, Any], progress: bool,
+             log) -> None:
     """Noisy numbers outside their tolerance get three measurements. With the code and parameters as recorded (the
     inputs hash unchanged), the code cannot explain a drift: two more runs against the record, and a median outside
     it is MOVED (the machine or its environment: shown with the values, exit 0), not drifted. With changed inputs,
@@ -380,11 +396,20 @@ def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], progress
     ratio B/A is a vote against the tolerance: a majority outside it in one direction -> drifted, a majority inside
     -> fresh (the machine's factor is noted). No majority -> flaky, which fails as drift does. Without git history, B
     runs twice more against the record. The last run is skipped when the runs before it already agree (_settled):
-    on a lent GPU a confirming run of a long runbook costs minutes."""
+    on a lent GPU a confirming run of a long runbook costs minutes. With the inputs as recorded on another kind of
+    machine (other_machine), no run is made: the drift is the machine's, MOVED at once with the difference named."""
     name, profile = t.rb.name, t.profile
     run = records.run_of(prof, prof["metrics"][drifted[0].metric]["run"])
     commit = (run.get("provenance") or {}).get("git_commit")
     unchanged = run.get("inputs_hash") == t.inputs_hash
+    elsewhere = other_machine(run, now) if unchanged else None
+    if elsewhere:
+        log(f"{name} ({profile}): {len(drifted)} noisy number(s) outside tolerance, recorded on another machine "
+            f"({elsewhere}) with the code and parameters as now: moved, not confirmed")
+        for v in drifted:
+            v.state = MOVED
+            v.detail = f"{v.detail}; recorded on another machine: {elsewhere}"
+        return
     a_root = None if unchanged else baseline_tree(root, commit)
     ta = None
     if a_root is not None:

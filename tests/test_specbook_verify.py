@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from specbook import records
+from specbook import provenance, records
 from specbook.execute import target
 from specbook.provenance import canonical, sha
 from specbook.record import Metric
@@ -176,6 +176,26 @@ def test_a_drifted_noisy_number_gets_three_measurements(tmp_path, direction, run
         assert f"measured {', '.join(f'{float(x):g}' for x in used)};" in v.detail
         assert any(("code and parameters as recorded" in m) != changed for m in logged if "measuring" in m)
     assert exit_code([v]) == (1 if state in (FLAKY, DRIFTED) else 0)
+
+
+@pytest.mark.parametrize("machine,state,left", [
+    ("Another CPU 9000", MOVED, "2.9 2.8"),  # recorded elsewhere: its timing is that machine's, no confirming run
+    (None, MOVED, "2.8"),  # the same kind of machine: confirmed as before
+])
+def test_a_timing_recorded_on_another_machine_moves_without_confirming_runs(tmp_path, monkeypatch, machine, state,
+                                                                            left):
+    root = make_repo(tmp_path, seq=sequence_runbook("lower"))
+    (root / "seq.txt").write_text("1.0")
+    assert cli(root, "run", "seq", "--record").exit_code == 0
+    if machine:
+        monkeypatch.setattr(provenance, "cpu_model", lambda: machine)
+    (root / "seq.txt").write_text("3.0 2.9 2.8")
+    logged = []
+    [v] = verify(root, "cpu", progress=False, log=logged.append)
+    assert (v.state, (root / "seq.txt").read_text()) == (state, left)
+    assert ("recorded on another machine: CPU model" in v.detail) == bool(machine)
+    assert (f"-> {machine}" in v.detail) == bool(machine)
+    assert exit_code([v]) == 0
 
 
 def git(root: Path, *args: str) -> None:
