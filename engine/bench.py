@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import re
 import statistics
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import TypeVar
 
 import torch
 
+from engine import quiet
 from engine.errors import EngineError
 from engine.graphs import CapturedCall, GraphSet
-from engine.loading import save_model
+from engine.loading import transformers_twin
 from engine.target_decoder import TargetDecoder
 from engine.timing import sync, time_fn
 
@@ -109,7 +109,8 @@ def random_prompt(vocab: int, n: int, seed: int) -> list[int]:
 
 def decode_stat(decoder, prompt: list[int], cfg: BenchConfig, weight_bytes: int, copy_gb_s: float) -> DecodeStat:
     decoder.generate(prompt, min(cfg.new_tokens, 8), seed=cfg.seed)  # capture graphs, warm caches
-    runs = [decoder.generate(prompt, cfg.new_tokens, seed=cfg.seed) for _ in range(cfg.repeats)]
+    with quiet.timed():  # the repeats in one quiet window, so they are alike
+        runs = [decoder.generate(prompt, cfg.new_tokens, seed=cfg.seed) for _ in range(cfg.repeats)]
     samples = [r.tok_s for r in runs]
     tok_s = statistics.median(samples)
     return DecodeStat(tok_s=tok_s, ms_per_token=1000.0 / tok_s, bw_util=weight_bytes * tok_s / (copy_gb_s * 1e9),
@@ -150,13 +151,10 @@ def gemv_floor_ms(model) -> float:
 
 @torch.no_grad()
 def peer_tok_s(model, prompt: list[int], new_tokens: int, repeats: int) -> float:
-    """transformers' greedy generate with its static cache on the same weights (saved and reloaded in HF format).
-    Decode-only tok/s: (n - 1) / (time(n tokens) - time(1 token)), so its prefill is excluded as ours is."""
-    from transformers import AutoModelForCausalLM
-
-    with tempfile.TemporaryDirectory() as d:
-        save_model(model, d)
-        hf = AutoModelForCausalLM.from_pretrained(d, dtype=model.dtype).to(model.device).eval()
+    """transformers' greedy generate with its static cache on the same weights (its own model class, built from
+    ours in memory). Decode-only tok/s: (n - 1) / (time(n tokens) - time(1 token)), so its prefill is excluded as
+    ours is."""
+    hf = transformers_twin(model)
     ids = torch.tensor([prompt], device=model.device)
 
     def run(n: int) -> None:
@@ -190,7 +188,7 @@ def profile_decode(gen: TargetDecoder, prompt: list[int], steps: int = 16,
 
     cuda = gen.device.type == "cuda"
     step, _, _ = gen.begin(prompt, steps + 1, SamplingParams(), 0)
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    with quiet.timed(), profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(steps):
             step()
         sync(gen.device)

@@ -247,6 +247,37 @@ class MoE(nn.Module):
         return y if self.shared_experts is None else y + self.shared_experts(x)
 
 
+@dataclass
+class ExpertReads:
+    """Routed experts one forward reads, per MoE layer, and the weight bytes that forward reads in all."""
+    experts: list[list[int]]  # ids of the experts the forward's tokens route to, each MoE layer
+    weight_bytes: int  # weight_bytes() with each MoE layer's top_k experts replaced by those it really reads
+
+    @property
+    def mean(self) -> float:
+        return sum(map(len, self.experts)) / len(self.experts)
+
+
+@torch.no_grad()
+def expert_reads(model: nn.Module, input_ids: torch.Tensor, input_pos: torch.Tensor) -> ExpertReads:
+    """Which routed experts one forward of these tokens reads (an eager forward, its routing recorded by hooks):
+    a decode token reads top_k experts a layer, a verify of T tokens the union of T tokens' choices, which is what
+    makes it cost more than a decode step in a memory-bound MoE."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        raise EngineError("expert_reads needs a model with MoE layers")
+    experts: list[list[int]] = []
+    hooks = [m.gate.register_forward_hook(lambda _m, _i, out: experts.append(out[1].unique().tolist()))
+             for m in layers]
+    try:
+        model(input_ids, input_pos)
+    finally:
+        for h in hooks:
+            h.remove()
+    extra = sum((len(e) - m.top_k) * m.experts.expert_bytes() for e, m in zip(experts, layers))
+    return ExpertReads(experts, model.weight_bytes() + extra)
+
+
 def check_config(cfg: ModelConfig) -> None:
     """Refuse what this implementation does not compute (ModelConfig checks it when built; kept for callers)."""
     check_mla(cfg)

@@ -316,15 +316,19 @@ def init_weights(model: torch.nn.Module, std: float = 0.02) -> None:
             p.normal_(0.0, std)
 
 
+def hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """The model's weights under transformers' names and layout (fused projections split, tied lm_head left out)."""
+    sd = internal_to_hf(model, {k: v.detach() for k, v in model.state_dict().items()})
+    if model.cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return {(k if k.startswith("lm_head") else f"model.{k}"): v for k, v in sd.items()}
+
+
 def save_model(model: Transformer, path: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write config.json + model.safetensors in the HF layout (transformers loads it)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    sd = internal_to_hf(model, {k: v.detach() for k, v in model.state_dict().items()})
-    if model.cfg.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
-    hf = {(k if k.startswith("lm_head") else f"model.{k}"): (v.to(dtype) if dtype else v).contiguous().cpu()
-          for k, v in sd.items()}
+    hf = {k: (v.to(dtype) if dtype else v).contiguous().cpu() for k, v in hf_state_dict(model).items()}
     tmp = path / "model.safetensors.tmp"
     save_file(hf, str(tmp), metadata={"format": "pt"})
     tmp.replace(path / "model.safetensors")
@@ -332,3 +336,26 @@ def save_model(model: Transformer, path: str | Path, dtype: torch.dtype | None =
     cfg["torch_dtype"] = str(dtype or model.dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return path
+
+
+@torch.no_grad()
+def transformers_twin(model: Transformer) -> torch.nn.Module:
+    """transformers' own model of the same architecture with a copy of the weights, built on the model's device from
+    memory: what `save_model` then `from_pretrained` gives, without writing every weight to disk and reading it back
+    through the host (for a large model the round trip costs more than the benchmark it serves)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.for_model(**{k: v for k, v in model.cfg.to_hf().items() if k != "torch_dtype"})
+    with torch.device(model.device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+    # transformers keeps some weights stacked as the engine does (MoE experts as [E, ...] tensors): each of its
+    # keys is taken from the checkpoint layout or, failing that, from the engine's own
+    ours = {f"model.{k}": v.detach() for k, v in model.state_dict().items()} | hf_state_dict(model)
+    if model.cfg.tie_word_embeddings:  # one tensor under both names, as transformers' state_dict lists it
+        ours["lm_head.weight"] = ours["model.embed_tokens.weight"]
+    want = hf.state_dict()
+    wrong = [k for k, v in want.items() if k not in ours or ours[k].shape != v.shape]
+    if wrong:
+        raise EngineError(f"transformers' {type(hf).__name__} does not take this model's weights: "
+                          f"{len(wrong)} tensors missing or of another shape, e.g. {wrong[0]}")
+    hf.load_state_dict({k: ours[k] for k in want})
+    return hf.eval()

@@ -48,6 +48,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.cache: KVCache | None = None
+        # (q, k, v, mask) -> [B, H, T, Dv], k and v as cache.update returns them; TTT training swaps in its own
+        # (engine.train.drafter.unrolled)
+        self.attend: Callable[..., torch.Tensor] = grouped_attention
 
     def make_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         return KVCache(batch, self.n_kv, max_seq_len, self.head_dim, dtype, device)
@@ -65,7 +68,7 @@ class Attention(nn.Module):
         v = qkv[:, :, H + Hkv:].transpose(1, 2)  # [B, Hkv, T, D]
         if self.cache is not None:
             k, v = self.cache.update(slots, k, v)  # [B, Hkv, S, D]
-        y = grouped_attention(q, k, v, mask)
+        y = self.attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 

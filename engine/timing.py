@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import quiet
 from engine.metrics import accept_length
 from engine.sampling import SamplingParams
 
@@ -55,20 +56,21 @@ def time_fn(fn: Callable[[], object], device: torch.device, iters: int, warmup: 
     for _ in range(warmup):
         fn()
     sync(device)
-    if device.type == "cuda" and _clock_override is None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    with quiet.timed():
+        if device.type == "cuda" and _clock_override is None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1000 / iters
+        now, times = clock(device), []
         for _ in range(iters):
+            t0 = now()
             fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1000 / iters
-    now, times = clock(device), []
-    for _ in range(iters):
-        t0 = now()
-        fn()
-        times.append(now() - t0)
-    return statistics.median(times)
+            times.append(now() - t0)
+        return statistics.median(times)
 
 
 class Clock:
@@ -107,12 +109,13 @@ def cycle_stats(decoder, prompts: list[list[int]], new_tokens: int, repeats: int
     """Works for TargetDecoder and SpecDecoder alike; the first call captures graphs and is not timed."""
     decoder.generate(prompts[0], min(new_tokens, 8), sampling, seed=seed)
     passes = []
-    for _ in range(repeats):
-        runs = [decoder.generate(p, new_tokens, sampling, seed=seed) for p in prompts]
-        tokens, secs = sum(r.decode_tokens for r in runs), sum(r.decode_s for r in runs)
-        passes.append((tokens / secs, secs, sum(r.verify_cycles for r in runs), runs))
+    with quiet.timed():  # every pass in one quiet window, so the passes are alike
+        for _ in range(repeats):
+            runs = [decoder.generate(p, new_tokens, sampling, seed=seed) for p in prompts]
+            tokens, secs = sum(r.decode_tokens for r in runs), sum(r.decode_s for r in runs)
+            passes.append((tokens / secs, secs, sum(r.verify_cycles for r in runs), runs))
+        timed = [decoder.generate(p, new_tokens, sampling, seed=seed, timed_phases=True) for p in prompts]
     tok_s, secs, cycles, runs = sorted(passes, key=lambda x: x[0])[len(passes) // 2]
-    timed = [decoder.generate(p, new_tokens, sampling, seed=seed, timed_phases=True) for p in prompts]
     n = sum(r.verify_cycles for r in timed)
 
     def per_cycle(attr: str) -> float:

@@ -12,10 +12,7 @@
 # arrive in `upstream`), or any `target` / `drafter` directories (HF / published EAGLE-3 format). Prompts are the
 # held-out prompts train-drafter measures its accept length on, cut to `prompt_len` tokens.
 #
-# With `cycle_shape` (the h200 profile: llama-3.1-8b) the cost of one chain cycle is measured on that shape with a
-# one-layer random drafter of the published 8B layout: 7 draft steps + a verify of 8 tokens + bookkeeping against
-# one baseline decode step (issue 4: at most 1.5x; SGLang on an H200: ~8.6 ms per cycle against ~5.3 ms per
-# decode), and the tok/s it projects at SGLang's H200 MT-bench accept length of 3.86 (at least 2.6x the baseline).
+# What a cycle costs at a real model's shape (the 8B one), with and without torch.compile, is verify-cost's.
 #
 # ```yaml
 # title: Baseline vs EAGLE-3 (eager verify, graph verify) - tok/s, accept length, cycle ms
@@ -31,7 +28,7 @@
 # profiles:
 #   cpu: {device: cpu, dtype: float32, n_prompts: 4, prompt_len: 64, new_tokens: 64, repeats: 3, rel_tol: 0.15}
 #   h200: {device: cuda, dtype: bfloat16, n_prompts: 8, prompt_len: 128, new_tokens: 256, repeats: 2,
-#          cycle_shape: llama-3.1-8b, torch_compile: true, rel_tol: 0.15}
+#          torch_compile: true, rel_tol: 0.15}
 #   cpu.dsv3: {device: cpu, dtype: float32, n_prompts: 4, prompt_len: 64, new_tokens: 64, repeats: 3, rel_tol: 0.15}
 #   h200.dsv3: {device: cuda, dtype: bfloat16, n_prompts: 8, prompt_len: 128, new_tokens: 256, repeats: 2,
 #               torch_compile: true, rel_tol: 0.15}
@@ -53,22 +50,17 @@ prompt_len = 64
 new_tokens = 64
 repeats = 3  # timed passes over the prompts; the median pass is recorded
 torch_compile = False  # also baseline and EAGLE-3 through torch.compile inside their graphs (compiled_* numbers)
-cycle_shape = ""  # a named shape for the cycle-cost measurement (h200: llama-3.1-8b); empty: skip
-cycle_accept_length = 3.86  # SGLang's H200 MT-bench accept length (chain, 7 steps, 8 tokens)
-cycle_new_tokens = 64  # tokens per generation on cycle_shape: a random drafter is rarely accepted, one cycle a token
 max_seq_len = 512
 seed = 0
 cpu_threads = 1  # torch threads on CPU: small models on shared cores run fastest on one
 rel_tol = 0.15  # floor of the timings' relative tolerance (specbook.record derives it from the samples)
 
 # %%
-import gc
-
 import torch
 
-from engine.drafter import load_drafter, new_drafter
-from engine.loading import load_model, random_model, resolve_device, resolve_dtype
-from engine.metrics import breakeven, exact_match, projected_speedup, projected_tok_s
+from engine.drafter import load_drafter
+from engine.loading import load_model, resolve_device, resolve_dtype
+from engine.metrics import exact_match
 from engine.speculate import SpecDecoder
 from engine.target_decoder import TargetDecoder
 from engine.timing import cycle_stats
@@ -113,8 +105,8 @@ def decoders(model, drafter, n_draft=None) -> dict:
     return out
 
 
-def measure(model, drafter, prompts, n_draft=None, n_new=new_tokens) -> dict:
-    return {name: cycle_stats(make(), prompts, n_new, repeats, seed)
+def measure(model, drafter, prompts, n_draft=None) -> dict:
+    return {name: cycle_stats(make(), prompts, new_tokens, repeats, seed)
             for name, make in decoders(model, drafter, n_draft).items()}
 
 
@@ -199,58 +191,3 @@ if torch_compile:
     record("exact_match_compiled", same_text(["compiled_baseline", "compiled_eagle3"]), unit="fraction",
            direction="none", kind=given,
            description="prompts on which compiled EAGLE-3 gives the compiled baseline's greedy output")
-
-# %% [markdown]
-# ## Cycle cost at a real shape
-#
-# Random weights of `cycle_shape` and a one-layer drafter of the published layout for it (random: it is rejected
-# almost always, so every cycle extends by one token; the draft steps, verify and bookkeeping cost the same as
-# with a trained drafter). Chain of `steps` draft steps, verify of steps + 1 tokens.
-
-# %%
-if cycle_shape:
-    del tgt, dft
-    gc.collect()
-    if graphs:
-        torch.cuda.empty_cache()
-    big = random_model(cycle_shape, dev, dt, seed=seed)
-    big_d = new_drafter(big.cfg, torch.arange(min(32000, big.cfg.vocab_size)), embedding=big.embed_tokens,
-                        seed=seed, device=dev, dtype=dt)
-    g = torch.Generator().manual_seed(seed)
-    big_prompts = [torch.randint(0, big.cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(2)]
-    big_stats = measure(big, big_d, big_prompts, n_new=cycle_new_tokens)
-    sfx = f".{cycle_shape}"
-    ce = big_stats["eagle3_eager_verify"]
-    record(f"eager_over_graph_cycle{sfx}", ce.ms_per_cycle / big_stats["eagle3"].ms_per_cycle, unit="x",
-           direction="none", kind="noisy", rel_tol=rel_tol,
-           description=f"{cycle_shape}: cycle with eager verify over cycle with graph verify")
-
-    def record_cycle(prefix: str, how: str) -> None:
-        """Cycle against decode step, like against like: both plain CUDA graphs, or both compiled inside them."""
-        base, spec = big_stats[f"{prefix}baseline"], big_stats[f"{prefix}eagle3"]
-        step, cyc = base.ms_per_cycle, spec.ms_per_cycle
-        print(f"{cycle_shape} {how}: {cyc:.2f} ms per cycle against a {step:.2f} ms decode step "
-              f"({breakeven(cyc, step):.2f}x); "
-              f"draft {spec.draft_ms:.2f}, verify {spec.verify_ms:.2f}, other {spec.other_ms:.2f} ms")
-        record(f"{prefix}decode_step_ms{sfx}", step, unit="ms", direction="lower", rel_tol=rel_tol,
-               description=f"{cycle_shape}: one baseline decode step ({how})")
-        record(f"{prefix}cycle_ms{sfx}", cyc, unit="ms", direction="lower", rel_tol=rel_tol,
-               description=f"{cycle_shape}: one chain cycle, {steps} draft steps + verify of {steps + 1} + "
-                           f"bookkeeping ({how})")
-        record(f"{prefix}cycle_over_step{sfx}", breakeven(cyc, step), unit="x", direction="lower", rel_tol=rel_tol,
-               description=f"{cycle_shape}: chain cycle over decode step, {how} (issue 4 asks <= 1.5; SGLang on "
-                           f"an H200 ~1.6)")
-        for part in ("draft_ms", "verify_ms", "other_ms"):
-            record(f"{prefix}cycle_{part}{sfx}", getattr(spec, part), unit="ms", direction="lower", rel_tol=rel_tol,
-                   description=f"{cycle_shape}: {part.removesuffix('_ms')} phase of a chain cycle ({how})")
-        record(f"{prefix}projected_tok_s{sfx}", projected_tok_s(cycle_accept_length, cyc), unit="tok/s",
-               rel_tol=rel_tol,
-               description=f"{cycle_shape}: {cycle_accept_length} tokens per cycle at the measured cycle time ({how})")
-        record(f"{prefix}projected_speedup{sfx}", projected_speedup(cycle_accept_length, cyc, step), unit="x",
-               rel_tol=rel_tol,
-               description=f"{cycle_shape}: projected tok/s over the engine's own baseline, {how} (issue 4 asks "
-                           f">= 2.6)")
-
-    record_cycle("", "CUDA graphs")
-    if torch_compile:
-        record_cycle("compiled_", "torch.compile inside the graphs")

@@ -16,8 +16,9 @@
 # ```yaml
 # title: DeepSeek-V3 family (MLA + MoE) - graph vs eager decode, verify of 8 tokens, EAGLE-3 cycle, cache bytes
 # reproduces: [decode_tok_s, eager_decode_tok_s, graph_speedup, forward_ms_t1, forward_ms_t8, t8_over_t1,
-#              eager_forward_ms_t8, cycle_ms, eager_verify_cycle_ms, cycle_over_decode, eager_cycle_over_decode,
-#              weight_gb, cache_bytes_per_token, cache_ratio, kimi_k2_cache_kib_per_token, kimi_k2_cache_ratio]
+#              verify_bytes_over_step, eager_forward_ms_t8, cycle_ms, eager_verify_cycle_ms, cycle_over_decode,
+#              eager_cycle_over_decode, weight_gb, cache_bytes_per_token, cache_ratio, kimi_k2_cache_kib_per_token,
+#              kimi_k2_cache_ratio]
 # feeds: [findings.md, runbooks/index.md]
 # depends: []
 # profiles:
@@ -99,6 +100,23 @@ for name, split in (("captured verify", graph_split), ("eager verify", eager_spl
     print(f"  {name:16} " + ", ".join(f"{k} {v:.2f} ms" for k, v in split.items()))
 
 # %% [markdown]
+# ## What a verify reads
+#
+# A decode token reads `num_experts_per_tok` routed experts a layer; a verify of 8 tokens reads the union of their
+# choices. In a memory-bound step the weight bytes read set the time, so this ratio is where a verify's cost over a
+# decode step comes from, beside launch and routing overhead (`t8_over_t1` measures the time ratio). The count is
+# exact for these weights and tokens.
+
+# %%
+verify_ids = torch.tensor([random_prompt(model.cfg.vocab_size, 8, 1)], device=model.device)
+reads = deepseek.expert_reads(model, verify_ids, torch.arange(prompt_len, prompt_len + 8, device=model.device))
+verify_bytes_ratio = reads.weight_bytes / model.weight_bytes()
+f = r.forward_ms["graph" if r.graphs else "eager"]
+print(f"a verify of 8 tokens reads {reads.mean:.1f} of {model.cfg.n_routed_experts} routed experts a layer (a decode "
+      f"token {model.cfg.num_experts_per_tok}): {reads.weight_bytes / 1e9:.3f} GB of weights, "
+      f"{verify_bytes_ratio:.2f}x a decode step's; its forward takes {f[8] / f[1]:.2f}x a decode forward's time")
+
+# %% [markdown]
 # ## Cache bytes per token: latent against expanded
 #
 # MLA caches one latent vector (kv_lora_rank) and one shared rope key per token and layer; attention runs over it
@@ -118,7 +136,6 @@ print(f"kimi-k2 (bf16): {k2.latent / 1024:.1f} KiB/token cached, {k2.expanded / 
 
 # %%
 graph, eager = r.decode["graph"], r.decode["eager"]
-f = r.forward_ms["graph" if r.graphs else "eager"]
 mode = "whole step in one CUDA graph" if r.graphs else "eager (no graphs on CPU)"
 record("decode_tok_s", graph.tok_s, unit="tok/s", direction="higher", rel_tol=rel_tol, samples=graph.samples,
        description=f"decode tok/s, {mode}")
@@ -154,6 +171,10 @@ if r.step_ms:  # where the fastest step's kernel time goes
                description=f"{kind} kernel time of one decode step ({r.profiled})")
     record("step_kernels", r.step_ms["kernels"], unit="kernels", direction="lower", kind="noisy", rel_tol=rel_tol,
            description=f"kernels launched per decode step ({r.profiled}): MoE routing and experts add launches")
+record("experts_read_t8", reads.mean, unit="experts", direction="none", kind="exact",
+       description="routed experts a verify of 8 tokens reads, mean over MoE layers (a decode token reads top_k)")
+record("verify_bytes_over_step", verify_bytes_ratio, unit="x", direction="none", kind="exact",
+       description="weight bytes a verify of 8 tokens reads over a decode step's (the experts 8 tokens route to)")
 record("weight_gb", r.weight_bytes / 1e9, unit="GB", direction="none",
        description="weight bytes read per decode token, active experts only")
 record("cache_bytes_per_token", mini.latent, unit="B", direction="none",

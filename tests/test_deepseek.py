@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from engine import deepseek
 from engine.config import ModelConfig
 from engine.errors import EngineError
-from engine.loading import load_model, random_model, save_model
+from engine.loading import load_model, random_model, save_model, transformers_twin
 from engine.model import Transformer
 from engine.shapes import shape_config
 from engine.target_decoder import TargetDecoder
@@ -69,6 +69,15 @@ CASES = {
     "yarn": dict(rope_scaling=YARN),
     "no_q_lora_yarn_no_interleave": dict(q_lora_rank=None, rope_scaling=YARN, rope_interleave=False),
 }
+
+
+def test_transformers_twin_is_the_checkpoint_transformers_loads(tmp_path):
+    """bench's peer on the MLA + MoE family: built in memory, the same logits as the saved and reloaded checkpoint."""
+    m, hf = hf_pair(shape_config("deepseek-v3-tiny"), tmp_path)
+    twin = transformers_twin(m)
+    ids = list(range(3, 30))
+    assert type(twin) is transformers.DeepseekV3ForCausalLM
+    assert torch.equal(hf_logits(twin, ids), hf_logits(hf, ids))
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -203,6 +212,33 @@ def test_cache_holds_latent_only_and_bytes_per_token():
     # per layer: 512 + 64 latent values against 64 heads x (128 + 64 key + 128 value)
     assert k2.latent == 61 * (512 + 64) * 2 and k2.expanded == 61 * 64 * 320 * 2
     assert k2.ratio > 35
+
+
+@torch.no_grad()
+def test_expert_reads_are_the_experts_a_forward_depends_on():
+    """The experts expert_reads lists are exactly those the logits depend on: zeroing all others changes nothing,
+    zeroing any one listed changes the logits. One token reads top_k a layer; 8 tokens read more."""
+    cfg = tiny()
+    m = engine_model(cfg)
+    m.setup_caches(32)
+    ids, pos = torch.arange(3, 11)[None], torch.arange(8)
+    one = deepseek.expert_reads(m, ids[:, :1], pos[:1])
+    assert [len(e) for e in one.experts] == [cfg.num_experts_per_tok] * (cfg.num_hidden_layers - 1)
+    assert one.weight_bytes == m.weight_bytes()
+    reads = deepseek.expert_reads(m, ids, pos)
+    assert reads.mean > cfg.num_experts_per_tok
+    per_expert = m.layers[1].mlp.experts.expert_bytes()
+    assert reads.weight_bytes == m.weight_bytes() + per_expert * sum(len(e) - cfg.num_experts_per_tok
+                                                                      for e in reads.experts)
+    ref = m(ids, pos)[0]
+    moe = [layer.mlp.experts for layer in m.layers if isinstance(layer.mlp, deepseek.MoE)]
+    for x, used in zip(moe, reads.experts):
+        unused = [e for e in range(cfg.n_routed_experts) if e not in used]
+        x.gate_up_proj[unused] = 0
+        x.down_proj[unused] = 0
+    assert torch.equal(m(ids, pos)[0], ref)
+    moe[0].down_proj[reads.experts[0][0]] = 0
+    assert not torch.allclose(m(ids, pos)[0], ref)
 
 
 def test_kimi_k2_config_and_active_bytes():

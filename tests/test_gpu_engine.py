@@ -9,6 +9,7 @@ from engine.loading import random_model
 from engine.runtime import Engine
 from engine.sampling import SamplingParams
 from engine.target_decoder import TargetDecoder
+from engine.train import loop  # on import: the cuBLAS workspace setting strict determinism needs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 PROMPT = list(range(3, 40))
@@ -125,3 +126,32 @@ def test_training_attention_on_cuda_equals_the_stacked_masked_form():
     torch.testing.assert_close(fast, ref, atol=2e-2, rtol=2e-2)
     for got, t in zip(grads, (q, k, v)):
         torch.testing.assert_close(got, t.grad, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("heads,kv", [(8, 2), (4, 4)])
+def test_ttt_attention_backward_is_bit_for_bit_deterministic_in_bf16(heads, kv):
+    """Training-time test's attention (engine.train.drafter.ttt_attention, plain matmuls and elementwise ops) under
+    strict deterministic algorithms, as training runs: two backward passes give bit-identical gradients in bf16, and
+    output and gradients are close to the float32 masked form over the concatenated keys."""
+    from engine.model import grouped_attention
+    from engine.train.drafter import ttt_attention, ttt_mask
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, T, Dh, j = 2, 256, 64, 6
+    inputs = [torch.randn(B, h, T, Dh, device="cuda", generator=g) for h in [heads] + [kv] * (2 * j + 2)]
+    w = torch.randn(B, heads, T, Dh, device="cuda", generator=g)  # weights every output element differently
+
+    def run(attend, dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in inputs]
+        out = attend(leaves[0], leaves[1:j + 2], leaves[j + 2:])
+        (out.float() * w).sum().backward()
+        return [out.detach()] + [t.grad for t in leaves]  # output, then grads of q, k_0..k_j, v_0..v_j
+
+    def masked(q, k, v):
+        return grouped_attention(q, torch.cat(k, dim=2), torch.cat(v, dim=2), ttt_mask(T, j, "cuda"))
+
+    with loop.reproducible():
+        first, second = run(ttt_attention, torch.bfloat16), run(ttt_attention, torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    for got, want in zip(first, run(masked, torch.float32), strict=True):
+        assert ((got.float() - want).norm() / want.norm()).item() < 2e-2

@@ -8,7 +8,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from engine.config import ModelConfig
-from engine.loading import load_model, random_model, save_model
+from engine.loading import load_model, random_model, save_model, transformers_twin
 from engine.target_decoder import TargetDecoder
 
 TOL = 1e-4
@@ -50,6 +50,15 @@ def pair(request, tmp_path_factory):
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0]
+
+
+def test_transformers_twin_is_the_checkpoint_transformers_loads(pair):
+    """bench's peer is built in memory; it must be the very model from_pretrained gives: same class, same logits."""
+    ours, hf = pair
+    twin = transformers_twin(ours)
+    ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert type(twin) is type(hf)
+    assert torch.equal(hf_logits(twin, ids), hf_logits(hf, ids))
 
 
 def test_logits_match_transformers_over_prefill_decode_and_masked_chunk(pair):

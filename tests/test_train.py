@@ -242,6 +242,57 @@ def test_ttt_mask_on_a_tiny_example():
                  [1, 1, 1, 0, 0, 1, 0, 0, 1]]
 
 
+def masked_ttt_attention(q, k, v, mask=None):
+    """The masked form of step j's attention: grouped_attention over the steps' keys and values concatenated, with
+    ttt_mask (what training computed before ttt_attention)."""
+    from engine.model import grouped_attention
+
+    return grouped_attention(q, torch.cat(k, dim=2), torch.cat(v, dim=2), D.ttt_mask(q.shape[2], len(k) - 1))
+
+
+@pytest.mark.parametrize("heads,kv", [(4, 2), (3, 3)])
+@pytest.mark.parametrize("j", [0, 1, 3])
+def test_ttt_attention_equals_the_masked_form_forward_and_backward(heads, kv, j):
+    g = torch.Generator().manual_seed(j)
+    B, T, Dh = 2, 7, 8
+    leaves = [torch.randn(B, h, T, Dh, generator=g).requires_grad_() for h in [heads] + [kv] * (2 * j + 2)]
+    w = torch.randn(B, heads, T, Dh, generator=g)  # weights every output element differently in the loss
+    grads = []
+    for attend in (D.ttt_attention, masked_ttt_attention):
+        out = attend(leaves[0], leaves[1:j + 2], leaves[j + 2:])
+        grads.append((out, torch.autograd.grad((out * w).sum(), leaves)))
+    (got, got_grads), (want, want_grads) = grads
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(got_grads, want_grads, strict=True):  # q, then k_0..k_j, then v_0..v_j
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    with pytest.raises(EngineError, match="no mask"):
+        D.ttt_attention(leaves[0], leaves[1:j + 2], leaves[j + 2:], D.ttt_mask(T, j))
+
+
+def test_ttt_loss_and_gradients_equal_the_masked_path(monkeypatch):
+    """The whole training-time test of a tiny GQA drafter (4 query heads, 2 KV heads) through ttt_attention gives
+    the loss, accuracies and gradients of the masked form; the module's own attention is restored after."""
+    from engine.model import grouped_attention
+
+    torch.manual_seed(0)
+    target = random_model(tiny_config(64), seed=1)
+    drafter = new_drafter(target.cfg, torch.arange(0, 64, 2), target.embed_tokens, seed=2)
+    x = torch.randint(0, 64, (2, 12))
+    tg = D.target_outputs(target, drafter, x)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    results = []
+    for attend in (D.ttt_attention, masked_ttt_attention):
+        monkeypatch.setattr(D, "ttt_attention", attend)  # what unrolled() swaps in
+        loss, accs = D.ttt_loss(drafter, x, tg, 4, 0.8)
+        results.append((loss, accs, torch.autograd.grad(loss, params)))
+        assert drafter.midlayer.self_attn.attend is grouped_attention and drafter.midlayer.self_attn.cache is None
+    (loss, accs, grads), (ref_loss, ref_accs, ref_grads) = results
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    assert accs == ref_accs
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_ttt_steps_equal_sequential_drafting_with_the_kv_cache():
     """Unrolled step j at base t gives exactly the logits the inference path gives for draft step j+1 after
     extending positions 0..t with target features (tokens teacher-forced)."""

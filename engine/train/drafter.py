@@ -14,8 +14,12 @@ vocabulary (soft cross-entropy), weighted 0.8**j; positions whose target argmax 
 that run past the sequence, are left out (as SpecForge does).
 
 The unrolled keys are held by `StepKV`, which stands in for the attention module's KV cache (the engine's cache
-interface: `update(slots, k, v) -> all keys and values so far`), so training runs the very Attention code that
-inference runs, with an explicit [T, (j+1)T] mask.
+interface: `update(slots, k, v) -> all keys and values so far`, here one tensor per step), and the module's attention
+function is swapped for `ttt_attention` (`unrolled`), so training runs the Attention code that inference runs but
+for that one function. `ttt_attention` is plain tensor math, as SpecForge's: a causal score matrix against step 0's
+keys and one dot product per base against each later step's keys, one softmax over both; no [T, (j+1)T] mask and no
+fused attention kernel, whose deterministic backward is slow. It computes what the masked form (`grouped_attention`
+over the concatenated keys with `ttt_mask`) computes.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import contextlib
 import dataclasses
 import json
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,20 +48,50 @@ from engine.train.tokenizer import load_tokenizer, save_tokenizer, tokenizer_has
 
 
 class StepKV:
-    """Keys and values of every unrolled step so far, concatenated along the sequence axis (autograd-friendly)."""
+    """Keys and values of every unrolled step so far, one [B, Hkv, T, D] tensor per step (autograd-friendly)."""
 
     def __init__(self) -> None:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
 
-    def update(self, slots, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, slots, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         self.k.append(k)
         self.v.append(v)
-        return torch.cat(self.k, dim=2), torch.cat(self.v, dim=2)
+        return tuple(self.k), tuple(self.v)
+
+
+def ttt_attention(q: torch.Tensor, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor],
+                  mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Step j's attention: q [B, H, T, D]; k, v the keys and values of steps 0..j, [B, Hkv, T, D] each -> [B, H, T, Dv].
+
+    A query at base t sees step-0 keys at bases <= t (q @ k_0^T, masked causally) and each later step's key at base t
+    only (one dot product per base); one float32 softmax over the T + j scores. Matmuls and elementwise ops only, so
+    the backward is deterministic without a special kernel. GQA as in grouped_attention: each KV head's query heads
+    stacked along the query axis, K/V never repeated. The step structure is the mask; `mask` must be None."""
+    if mask is not None:
+        raise EngineError("ttt_attention takes no mask: which keys a query sees follows from the steps")
+    B, H, T, D = q.shape
+    kv = k[0].shape[1]
+    rep = H // kv
+    qg = q.reshape(B, kv, rep * T, D)  # row r*T + t of KV head h is query head h*rep + r at base t
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    s0 = (qg @ k[0].transpose(-1, -2)).view(B, kv, rep, T, T).float().masked_fill(~causal, float("-inf"))
+    q5 = qg.view(B, kv, rep, T, D).float()
+    later = len(k) - 1  # steps 1..j, all of their keys in one tensor: a few kernels whatever j is
+    kd = torch.stack(list(k[1:]), dim=2).float() if later else None  # [B, kv, j, T, D]
+    diag = torch.einsum("bgrtd,bgjtd->bgrtj", q5, kd) if later else s0[..., :0]  # [B, kv, rep, T, j]
+    p = (torch.cat([s0, diag], dim=-1) * D ** -0.5).softmax(-1)
+    p0, pd = p.split([T, later], dim=-1)
+    out = (p0.to(v[0].dtype).reshape(B, kv, rep * T, T) @ v[0]).view(B, kv, rep, T, -1).float()
+    if later:
+        out = out + torch.einsum("bgrtj,bgjtd->bgrtd", pd, torch.stack(list(v[1:]), dim=2).float())
+    return out.reshape(B, H, T, -1).to(q.dtype)
 
 
 def ttt_mask(T: int, j: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[T, (j+1)T] bool: step j's query at base t sees step-0 keys at bases <= t and steps 1..j at base t."""
+    """[T, (j+1)T] bool: step j's query at base t sees step-0 keys at bases <= t and steps 1..j at base t - what
+    ttt_attention computes, as a mask over the concatenated keys (the tests' reference)."""
     base = torch.arange(T, device=device)
     causal = base[None, :] <= base[:, None]
     diagonal = base[None, :] == base[:, None]
@@ -66,15 +100,17 @@ def ttt_mask(T: int, j: int, device: torch.device | str = "cpu") -> torch.Tensor
 
 @contextlib.contextmanager
 def unrolled(drafter: Eagle3Drafter):
+    """Inside, the draft layer's attention writes its keys and values to a StepKV and attends with ttt_attention."""
     attn = drafter.midlayer.self_attn
     if drafter.max_seq_len:
         raise EngineError("the drafter has inference caches set up; drop_caches() before training")
     attn._modules.pop("cache", None)  # a dropped KVCache leaves its submodule slot behind; StepKV is no module
-    attn.cache = StepKV()
+    attend = attn.attend
+    attn.cache, attn.attend = StepKV(), ttt_attention
     try:
         yield
     finally:
-        attn.cache = None
+        attn.cache, attn.attend = None, attend
 
 
 @dataclass
@@ -103,12 +139,11 @@ def _shift(t: torch.Tensor, n: int) -> torch.Tensor:
 def ttt_logits(drafter: Eagle3Drafter, x: torch.Tensor, features: torch.Tensor, steps: int
                ) -> Iterator[torch.Tensor]:
     """Draft logits [B, T, Vd] of each unrolled step j = 0..steps-1 over x [B, T] (see the module docstring)."""
-    T = x.shape[1]
-    pos = torch.arange(T, device=x.device)
+    pos = torch.arange(x.shape[1], device=x.device)
     hidden = features
     with unrolled(drafter):
         for j in range(steps):
-            logits, hidden = drafter(hidden, _shift(x, j + 1), pos + j, attn_mask=ttt_mask(T, j, x.device))
+            logits, hidden = drafter(hidden, _shift(x, j + 1), pos + j)
             yield logits
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from engine import quiet
 from engine.errors import EngineError
 
 STATE = "train-state.pt"
@@ -177,6 +178,7 @@ def train(run_dir: Path, params: dict[str, Any], model: nn.Module, opt: torch.op
     trainable = [p for p in model.parameters() if p.requires_grad]
     bar = tqdm(range(start, sched.steps), desc=desc, initial=start, total=sched.steps, mininterval=2.0)
     for step in bar:
+        quiet.yield_point()  # a runner's timing lock: a timing runbook beside this one may want the device now
         lr = sched.lr_at(step)
         for group in opt.param_groups:
             group["lr"] = lr
