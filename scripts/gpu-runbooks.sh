@@ -9,14 +9,15 @@
 # scripts/device-wheels.sh makes them) and points the training corpus at the archives carried in
 # corpus-archives/ (`python -m engine train corpus --fetch` with SPECBOOK_CORPUS_DIR there). Set SPECBOOK_GIT_COMMIT
 # to the commit the tree was sent at: the copy has no .git, and the records name it. Everything a run wrote that a
-# commit needs (baselines/, docs/runbooks/executed/) and one log per GPU are packed into $OUT/results.tgz.
+# commit needs (baselines/, docs/runbooks/executed/) and one log per GPU are packed into $OUT/results.tgz, also
+# when the script is cut (TERM: what finished is packed, exit 124); the logs are in $OUT as they are written.
 # Exit: 0 when every command succeeded, else the first failing command's code (each chain still runs to its end).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ "$#" -ge 1 ] || { echo "usage: $0 'CMD;CMD' ['CMD;CMD' ...]  (one chain per GPU)" >&2; exit 2; }
 [ -n "${SPECBOOK_GIT_COMMIT:-}" ] || { echo "set SPECBOOK_GIT_COMMIT to the commit this tree was sent at" >&2; exit 2; }
 out=${OUT:-/tmp/gpu-runbooks}
-mkdir -p "$out" logs
+mkdir -p "$out" logs && rm -f logs/gpu*.rc
 
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -28,8 +29,11 @@ fi
 export SPECBOOK_CORPUS_DIR=$PWD/corpus-archives PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
 
+# What a commit needs, packed at the end, or when the run is cut (timeout's TERM): what the finished runs recorded
+pack() { tar czf "$out/results.tgz" baselines docs/runbooks/executed logs 2>/dev/null; }
+trap 'echo "== cut at $(date -u +%H:%M:%S): packing what finished" >&2; pack; exit 124' TERM INT
+
 gpu=0
-pids=()
 for chain in "$@"; do
   (
     export CUDA_VISIBLE_DEVICES=$([ "${SHARE_GPU:-0}" = 1 ] && echo 0 || echo "$gpu")
@@ -40,16 +44,18 @@ for chain in "$@"; do
       # shellcheck disable=SC2086 - a command is words
       python3 -m specbook.cli $cmd || { c=$?; echo "== gpu $gpu: exit $c: runbook $cmd"; [ "$rc" -ne 0 ] || rc=$c; }
     done
-    exit "$rc"
-  ) > "logs/gpu$gpu.log" 2>&1 &
-  pids+=($!)
+    echo "$rc" > "logs/gpu$gpu.rc"
+  ) 2>&1 | sed -u "s/^/[gpu $gpu] /" | tee "logs/gpu$gpu.log" > "$out/gpu$gpu.log" &
   gpu=$((gpu + 1))
 done
 
+# each chain's log is written to $out as it runs: a lent machine's call that is cut still returns it
+wait
+tail -q -n 40 logs/gpu*.log
 rc=0
-for pid in "${pids[@]}"; do
-  wait "$pid" || { c=$?; [ "$rc" -ne 0 ] || rc=$c; }
+for ((g = 0; g < gpu; g++)); do
+  c=$(cat "logs/gpu$g.rc" 2>/dev/null || echo 3)
+  [ "$rc" -ne 0 ] || rc=$c
 done
-tail -n 40 logs/gpu*.log
-tar czf "$out/results.tgz" baselines docs/runbooks/executed logs
+pack
 exit "$rc"

@@ -1,0 +1,73 @@
+"""scripts/gpu-runbooks.sh off a GPU: chains' exit codes, logs in $OUT while they run, and results packed when the
+script is cut (a lent machine's call ends at its limit; what finished must still come back)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu-runbooks.sh"
+
+# python3 -m specbook.cli CMD...: a stand-in that records a file, says what it ran and exits as told
+FAKE_PYTHON = """#!/usr/bin/env bash
+shift 2  # -m specbook.cli
+echo "ran $*"
+case "$1" in
+  sleep) sleep "$2" ;;
+  fail) exit "$2" ;;
+  record) echo "$2" > "baselines/$2.yaml" ;;
+esac
+"""
+
+
+def tree(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    (root / "baselines").mkdir()
+    (root / "docs" / "runbooks" / "executed").mkdir(parents=True)
+    shutil.copy(SCRIPT, root / "scripts")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    for name, text in (("python3", FAKE_PYTHON), ("nvidia-smi", "#!/bin/sh\necho '0, fake GPU, 0 MiB'\n")):
+        (bin_ / name).write_text(text)
+        (bin_ / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "SPECBOOK_GIT_COMMIT": "abc",
+           "OUT": str(tmp_path / "out")}
+    return root, env
+
+
+def members(tmp_path: Path) -> set[str]:
+    with tarfile.open(tmp_path / "out" / "results.tgz") as tar:
+        return set(tar.getnames())
+
+
+def test_the_first_failing_chain_sets_the_exit_code_and_every_chain_runs_to_its_end(tmp_path):
+    root, env = tree(tmp_path)
+    r = subprocess.run(["bash", "scripts/gpu-runbooks.sh", "record a;fail 5;record b", "fail 7"], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 5, r.stdout + r.stderr
+    assert "baselines/b.yaml" in members(tmp_path)  # the chain went on after its failure
+    log = (tmp_path / "out" / "gpu0.log").read_text()
+    assert "[gpu 0] ran record b" in log and "exit 5" in log
+    assert "exit 7" in (tmp_path / "out" / "gpu1.log").read_text()
+
+
+def test_a_cut_run_still_packs_what_finished_and_its_log(tmp_path):
+    root, env = tree(tmp_path)
+    p = subprocess.Popen(["bash", "scripts/gpu-runbooks.sh", "record a;sleep 30;record b"], cwd=root, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    log = tmp_path / "out" / "gpu0.log"
+    deadline = time.monotonic() + 30
+    while not (log.exists() and "ran sleep" in log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "[gpu 0] ran record a" in log.read_text()  # in $OUT before the chain ended
+    os.killpg(p.pid, signal.SIGTERM)  # what timeout(1) does to its command's process group
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 124 and "packing what finished" in err
+    got = members(tmp_path)
+    assert "baselines/a.yaml" in got and "baselines/b.yaml" not in got and "logs/gpu0.log" in got
