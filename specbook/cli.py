@@ -244,7 +244,8 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, recor
     _log("will run: " + ", ".join(_plan(t, force)) + ("" if record_ else
                                                       " (measure only; --record writes baselines/ and docs/)"))
     before = {n: records.load(records.path_for(root, n)) for n in _closure(t)}
-    outcomes = run_target(root, t, record=record_, force=force, progress=not as_json, log=_log)
+    # a record is measured from nothing, as verify re-measures it: nothing read back from a cached run's outputs
+    outcomes = run_target(root, t, record=record_, force=force, fresh=record_, progress=not as_json, log=_log)
     if record_:
         from specbook.site import write_generated
 

@@ -66,7 +66,8 @@ def record_all(root: Path, todo: list[Job], gpus: list[str], log: Callable[[str]
         if job.key in recorded:  # recorded already as another's missing dependency
             continue
         try:
-            outcomes = run(root, target(root, job.name, job.profile), record=True, progress=progress, log=log)
+            outcomes = run(root, target(root, job.name, job.profile), record=True, fresh=True, progress=progress,
+                           log=log)
         except RunFailed as e:
             out.append(Recorded(job.name, job.profile, None, str(e)))
             continue

@@ -163,6 +163,22 @@ def test_malformed_record_names_file_and_line(tmp_path):
         _one_line_error(cli(root, *args), 2, "bench.yaml:", "malformed YAML")
 
 
+def test_a_record_is_measured_from_nothing_not_read_back_from_cached_outputs(tmp_path):
+    counting = runbook_text(params='outputs_dir = ""', body="""
+        from pathlib import Path
+        p = Path(outputs_dir, "runs.txt")
+        n = int(p.read_text()) + 1 if p.exists() else 1
+        p.write_text(str(n))
+        record("runs_in_outputs", float(n), unit="runs")
+    """)
+    root = make_repo(tmp_path, counting=counting)
+    for _ in range(2):
+        assert cli(root, "run", "--record", "counting").exit_code == 0
+        assert baseline(root, "counting")["profiles"]["cpu"]["metrics"]["runs_in_outputs"]["value"] == 1.0
+    assert cli(root, "record", "counting").exit_code == 0
+    assert baseline(root, "counting")["profiles"]["cpu"]["metrics"]["runs_in_outputs"]["value"] == 1.0
+
+
 def test_dependencies_run_once_and_again_when_stale(tmp_path):
     up = runbook_text(params='outputs_dir = ""', body="""
         from pathlib import Path
