@@ -70,6 +70,14 @@ def engine_hash(root: Path, source: str | None = None) -> str:
     does not make a decode benchmark stale. Without a source, or when it does not parse, all of PACKAGE/**/*.py;
     without a configured package, no code."""
     package = project.settings(root).engine_package
+    # by the package's contents: status resolves every runbook on every profile, and following imports is the cost
+    code = [*(root / package).rglob("*.py"), root / f"{package}.py"] if package is not None else []
+    contents = tuple(sorted((p.as_posix(), sha(p.read_bytes())) for p in code if p.is_file()))
+    return _engine_hash(root, source, package, contents)
+
+
+@functools.lru_cache(maxsize=512)
+def _engine_hash(root: Path, source: str | None, package: str | None, contents: tuple) -> str:
     files: set[Path] | None = set()
     if package is not None:
         files = engine_files(root, source, package) if source is not None else None

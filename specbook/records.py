@@ -12,6 +12,7 @@ and infinity wherever a number is expected.
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import math
 import secrets
@@ -87,19 +88,28 @@ def _show(path: Path) -> str:
         return str(path)
 
 
+_PARSED: dict[tuple[str, str], dict[str, Any]] = {}  # (path, content hash) -> validated data: status, the site and
+# claims load every record file many times per command, and parsing is most of their time
+
+
 def load(path: Path) -> RecordFile:
     if not path.exists():
         return RecordFile(path, {"runbook": path.stem, "profiles": {}}, None)
     raw = path.read_bytes()
-    try:
-        _refuse_aliases(raw, path)
-        data = yaml.load(raw, Loader=_LOADER)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{_show(path)}:{mark.line + 1}" if mark else _show(path)
-        raise SpecbookError(f"{where}: malformed YAML: {getattr(e, 'problem', None) or e}") from None
-    validate(data, path)
-    return RecordFile(path, data, sha(raw))
+    key = (str(path.resolve()), sha(raw))
+    if key not in _PARSED:
+        try:
+            _refuse_aliases(raw, path)
+            data = yaml.load(raw, Loader=_LOADER)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{_show(path)}:{mark.line + 1}" if mark else _show(path)
+            raise SpecbookError(f"{where}: malformed YAML: {getattr(e, 'problem', None) or e}") from None
+        validate(data, path)
+        if len(_PARSED) >= 256:
+            _PARSED.clear()
+        _PARSED[key] = data
+    return RecordFile(path, copy.deepcopy(_PARSED[key]), key[1])  # a copy: callers add runs to theirs
 
 
 def _refuse_aliases(raw: bytes, path: Path) -> None:

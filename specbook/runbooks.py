@@ -7,6 +7,8 @@ types are the types a parameter accepts (from the annotation when there is one).
 from __future__ import annotations
 
 import ast
+import copy
+import functools
 import difflib
 import os
 import re
@@ -132,10 +134,15 @@ def resolve(root: Path, name: str) -> Path:
     return path
 
 
+@functools.lru_cache(maxsize=128)  # keyed by the text: a command resolves each runbook on every profile, many times
+def _notebook(text: str):
+    return jupytext.reads(text, fmt="py:percent")
+
+
 def load(root: Path, name: str) -> Runbook:
     path = resolve(root, name)
     try:
-        nb = jupytext.read(path, fmt="py:percent")
+        nb = copy.deepcopy(_notebook(path.read_text(encoding="utf-8")))
     except Exception as e:  # jupytext raises many types on odd input
         raise SpecbookError(f"{path}: not a jupytext percent-format notebook: {e}") from None
     header = _header(path, nb, root)

@@ -39,6 +39,17 @@ def test_add_run_appends_runs_and_history(root):
     assert [h["value"] for h in x["history"]] == [1.0, 2.0] and "samples" not in x
 
 
+def test_loading_again_sees_the_file_as_it_is_now_and_nothing_a_caller_changed(root):
+    records.add_run(root, "b", "cpu", _run(1), [Metric("x", 1.0, "ms", "lower", 0.1, 0.0)])
+    path = records.path_for(root, "b")
+    first = records.load(path)
+    first.data["profiles"]["cpu"]["metrics"]["x"]["value"] = 99.0  # a caller's change to its copy
+    assert records.load(path).data["profiles"]["cpu"]["metrics"]["x"]["value"] == 1.0
+    path.write_text(path.read_text().replace("value: 1.0", "value: 7.0"))  # the same size, at once
+    again = records.load(path)
+    assert again.data["profiles"]["cpu"]["metrics"]["x"]["value"] == 7.0 and again.digest != first.digest
+
+
 def test_malformed_yaml_names_file_and_line(root):
     (root / "baselines" / "b.yaml").write_text("runbook: b\nprofiles:\n  cpu: {}\n  h200: a: b\n")
     with pytest.raises(SpecbookError, match=r"b\.yaml:4: malformed YAML: mapping values are not allowed"):
