@@ -10,3 +10,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    """This repository's site, built once for the docs and browser tests: (site folder, the records it was built
+    from)."""
+    from docs_testing import build_site
+
+    out = tmp_path_factory.mktemp("site")
+    return out, build_site(out)

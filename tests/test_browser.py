@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from docs_testing import build_site
 
 pytestmark = [pytest.mark.browser, pytest.mark.content]  # drives the site built from docs/ and baselines/
 CHROMIUM = Path("/usr/bin/chromium")
@@ -27,12 +26,6 @@ if not CHROMIUM.exists():
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args) -> None:
         pass
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    out = tmp_path_factory.mktemp("site")
-    return out, build_site(out)
 
 
 @pytest.fixture(scope="module")

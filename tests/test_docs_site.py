@@ -10,16 +10,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from docs_testing import ROOT, build_site
+from docs_testing import ROOT
 from specbook import records, site
 from specbook.cli import main
 from specbook.context import build_context, tokens
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory) -> tuple[Path, dict[str, float]]:
-    out = tmp_path_factory.mktemp("site")
-    return out, build_site(out)
 
 
 @pytest.mark.content
