@@ -224,11 +224,39 @@ def verify(root: Path, here: str, names: list[str] | None = None, profile: str |
     if gpus and len(todo) > 1 and (len(gpus) > 1 or _share_one_gpu(root, [_times(prof) for _, _, prof, _ in todo])):
         judged = _rerun_parallel(root, todo, gpus, log)
     else:
-        judged = {(n, p): _rerun(root, n, p, prof, static, progress, log) for n, p, prof, static in todo}
+        judged = {(n, p): _rerun(root, n, p, prof, static, progress, log)
+                  for n, p, prof, static in dependencies_first(root, todo)}
     return [v for g in groups for v in (judged[g[:2]] if isinstance(g, tuple) else g)]
 
 
 Group = list[Verdict] | tuple[str, str, dict, list[Verdict]]  # judged without running, or (name, profile, ...) to run
+
+
+def dependencies_first(root: Path, todo: list[tuple[str, str, dict, list[Verdict]]]) \
+        -> list[tuple[str, str, dict, list[Verdict]]]:
+    """`todo` reordered so that a runbook comes after those it depends on (same profile), else as given: a
+    dependency re-measured first, from nothing, is then what its dependents use, not built once for them and again
+    for its own verdict (a training run measured twice)."""
+    keys = {(n, p): g for g in todo for n, p in [g[:2]]}
+    out: list = []
+    placed: set[tuple[str, str]] = set()
+
+    def place(key: tuple[str, str]) -> None:
+        if key in placed:
+            return
+        placed.add(key)
+        try:
+            upstream = target(root, *key).upstream
+        except SpecbookError:  # its own re-run reports why
+            upstream = {}
+        for dep in upstream:
+            if (dep, key[1]) in keys:
+                place((dep, key[1]))
+        out.append(keys[key])
+
+    for n, p, _, _ in todo:
+        place((n, p))
+    return out
 
 
 def _groups(root: Path, here: str, names: list[str] | None, profile: str | None) -> list[Group]:
@@ -388,29 +416,30 @@ def other_machine(run_entry: dict, now: dict[str, Any]) -> str | None:
 
 def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], now: dict[str, Any], progress: bool,
              log) -> None:
-    """Noisy numbers outside their tolerance get three measurements. With the code and parameters as recorded (the
-    inputs hash unchanged), the code cannot explain a drift: two more runs against the record, and a median outside
-    it is MOVED (the machine or its environment: shown with the values, exit 0), not drifted. With changed inputs,
-    the runs are interleaved against the engine the number was recorded with, as asv's continuous mode compares two
-    commits: the recorded commit's tree (A) and this one (B), A B three times on this machine now, and each pair's
-    ratio B/A is a vote against the tolerance: a majority outside it in one direction -> drifted, a majority inside
-    -> fresh (the machine's factor is noted). No majority -> flaky, which fails as drift does. Without git history, B
-    runs twice more against the record. The last run is skipped when the runs before it already agree (_settled):
-    on a lent GPU a confirming run of a long runbook costs minutes. With the inputs as recorded on another kind of
-    machine (other_machine), no run is made: the drift is the machine's, MOVED at once with the difference named."""
+    """Judge noisy numbers outside their tolerance. With the code and parameters as recorded (the inputs hash
+    unchanged) the code cannot explain a drift: MOVED at once (the machine or its environment; exit 0, shown with
+    the value and whether the record was made on another kind of machine, other_machine). More runs could only
+    choose between moved and fresh, and on 2 cores or a lent GPU each costs minutes. With changed inputs there are
+    three measurements, interleaved against the engine the number was recorded with, as asv's continuous mode
+    compares two commits: the recorded commit's tree (A) and this one (B), A B three times on this machine now, and
+    each pair's ratio B/A is a vote against the tolerance: a majority outside it in one direction -> drifted, a
+    majority inside -> fresh (the machine's factor is noted). No majority -> flaky, which fails as drift does.
+    Without git history, B runs twice more against the record. The last run is skipped when the runs before it
+    already agree (_settled)."""
     name, profile = t.rb.name, t.profile
     run = records.run_of(prof, prof["metrics"][drifted[0].metric]["run"])
     commit = (run.get("provenance") or {}).get("git_commit")
     unchanged = run.get("inputs_hash") == t.inputs_hash
-    elsewhere = other_machine(run, now) if unchanged else None
-    if elsewhere:
-        log(f"{name} ({profile}): {len(drifted)} noisy number(s) outside tolerance, recorded on another machine "
-            f"({elsewhere}) with the code and parameters as now: moved, not confirmed")
+    if unchanged:
+        elsewhere = other_machine(run, now)
+        where = f"recorded on another machine: {elsewhere}" if elsewhere else "recorded on this kind of machine"
+        log(f"{name} ({profile}): {len(drifted)} noisy number(s) outside tolerance with the code and parameters as "
+            f"recorded ({where}): moved; more runs could only say moved or fresh")
         for v in drifted:
             v.state = MOVED
-            v.detail = f"{v.detail}; recorded on another machine: {elsewhere}"
+            v.detail = f"{v.detail}; code and parameters as recorded, {where}"
         return
-    a_root = None if unchanged else baseline_tree(root, commit)
+    a_root = baseline_tree(root, commit)
     ta = None
     if a_root is not None:
         try:
@@ -418,7 +447,7 @@ def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], now: dic
         except SpecbookError as e:
             log(f"{name} ({profile}): the recorded commit cannot run it ({e}); measuring against the record")
     how = (f"interleaved with the recorded commit {commit[:10]} (A B, three times)" if ta else
-           "twice more against the record" + (" (code and parameters as recorded)" if unchanged else ""))
+           "twice more against the record")
     log(f"{name} ({profile}): {len(drifted)} noisy number(s) outside tolerance; measuring {how}")
     pairs: list[tuple[dict | None, dict | None]] = []
     with parallel.exclusive() if ta else contextlib.nullcontext():  # the recorded engine may not keep the lock
@@ -429,7 +458,7 @@ def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], now: dic
                 log(f"{name} ({profile}): the runs so far agree; one more could not change the verdict")
                 break
     for v in drifted:
-        _rejudge(v, prof["metrics"][v.metric], pairs, unchanged)
+        _rejudge(v, prof["metrics"][v.metric], pairs)
 
 
 def _settled(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None]]) -> bool:
@@ -462,7 +491,7 @@ def _majority(votes: list[str | None]) -> tuple[bool, str | None]:
     return False, None
 
 
-def _rejudge(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None]], unchanged: bool) -> None:
+def _rejudge(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None]]) -> None:
     """The verdict of one drifted noisy number from its confirming runs (see _confirm)."""
     if any(b is None or v.metric not in b for _, b in pairs) or \
             any(a is not None and v.metric not in a for a, _ in pairs):
@@ -473,10 +502,6 @@ def _rejudge(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None
         values = [first, *(b[v.metric] for _, b in pairs)]
         v.measured = statistics.median(values)  # of two runs that agree, or of three
         v.detail = f"measured {', '.join(f'{x:.6g}' for x in values)}; recorded {v.recorded:.6g}"
-        if unchanged:  # the code as recorded cannot be flaky, the machine can: its median decides, shown as moved
-            v.change = drift(entry, v.measured)
-            v.state = MOVED if v.change else FRESH
-            return
         votes = [drift(entry, x) for x in values]
     else:  # this tree against the recorded commit's, pair by pair
         ratios = [b[v.metric] / a[v.metric] if a[v.metric] else float("inf") for a, b in pairs]
@@ -492,7 +517,7 @@ def _rejudge(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None
     elif vote is None:
         v.state, v.change = FRESH, None
     else:
-        v.state, v.change = (MOVED if unchanged else DRIFTED), vote
+        v.state, v.change = DRIFTED, vote
 
 
 def baseline_tree(root: Path, commit: str | None) -> Path | None:
