@@ -10,8 +10,6 @@ profile (docs/findings.md, section 6).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 try:
@@ -21,20 +19,8 @@ except ImportError:  # CPU-only torch wheels come without Triton
     triton = None
 
 MAX_ROWS = 64  # query rows per KV head (query heads per KV head x tokens) this kernel takes
-
-
-@dataclass(frozen=True)
-class Config:
-    """How the cache is cut and each block runs. The split count depends only on the cache's shape (never on the
-    query's rows), so a verify of T tokens and a decode step cut the same cache the same way."""
-    block_n: int = 64  # cached positions per tile
-    target_blocks: int = 264  # blocks to aim for: two per SM of an H100/H200 (132 SMs)
-    min_split: int = 0  # fewest cached positions per split: a short cache in one split needs no merge kernel
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-DEFAULT = Config()
+BLOCK_N = 64  # cached positions per tile
+TARGET_BLOCKS = 264  # two blocks per SM of an H100/H200 (132 SMs)
 
 
 enabled = True  # benchmarks switch it off to time SDPA on the same model
@@ -51,10 +37,8 @@ if triton is not None:
     @triton.jit
     def _splitkv_partial(Q, K, V, Mask, O, ML, S, T, n_kv,
                          sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_t,
-                         Out, so_b, so_h, so_r,
                          R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                         BLOCK_N: tl.constexpr, PER_SPLIT: tl.constexpr, SCALE: tl.constexpr,
-                         DIRECT: tl.constexpr):
+                         BLOCK_N: tl.constexpr, PER_SPLIT: tl.constexpr, SCALE: tl.constexpr):
         bh, split = tl.program_id(0), tl.program_id(1)
         b, h = bh // n_kv, bh % n_kv
         rows = tl.arange(0, BLOCK_R)
@@ -82,15 +66,10 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l = l * alpha + tl.sum(p, 1)
             m = m_new
-        if DIRECT:  # the whole cache in this one split: normalise here, as the merge of one split would
-            out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-            tl.store(Out + b * so_b + h * so_h + rows[:, None] * so_r + dv[None, :], out.to(Out.dtype.element_ty),
-                     mask=rows[:, None] < R)
-        else:
-            base = (bh * tl.num_programs(1) + split) * BLOCK_R
-            tl.store(O + (base + rows[:, None]) * DV + dv[None, :], acc)
-            tl.store(ML + (base + rows) * 2, m)
-            tl.store(ML + (base + rows) * 2 + 1, l)
+        base = (bh * tl.num_programs(1) + split) * BLOCK_R
+        tl.store(O + (base + rows[:, None]) * DV + dv[None, :], acc)
+        tl.store(ML + (base + rows) * 2, m)
+        tl.store(ML + (base + rows) * 2 + 1, l)
 
     @triton.jit
     def _splitkv_merge(O, ML, Out, so_b, so_h, so_r, n_kv,
@@ -115,38 +94,25 @@ if triton is not None:
                  mask=rows[:, None] < R)
 
 
-def splits(S: int, heads: int, cfg: Config = DEFAULT) -> tuple[int, int]:
-    """(splits, cached positions per split) for a cache of S positions and `heads` (batch x KV heads) blocks."""
-    n = min(-(-S // cfg.block_n), cfg.target_blocks // heads)
-    if cfg.min_split:
-        n = min(n, S // cfg.min_split)
-    n = max(1, n)
-    per_split = -(-(-(-S // n)) // cfg.block_n) * cfg.block_n
-    return -(-S // per_split), per_split
-
-
-def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, tokens: int,
-                       cfg: Config | None = None) -> torch.Tensor:
+def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, tokens: int
+                       ) -> torch.Tensor:
     """q [B, Hkv, R, D] (row r: token r % tokens of one of the KV head's query heads), k [B, Hkv, S, D],
     v [B, Hkv, S, Dv], mask [tokens, S] bool -> [B, Hkv, R, Dv]."""
-    cfg = cfg or DEFAULT
     B, n_kv, R, D = q.shape
     S, DV = k.shape[2], v.shape[3]
     block_r = max(16, triton.next_power_of_2(R))  # tl.dot needs 16 rows
-    n_split, per_split = splits(S, B * n_kv, cfg)
-    direct = n_split == 1
-    rows = 1 if direct else B * n_kv * n_split * block_r  # one split: no partials to keep
-    part = torch.empty(rows, DV, dtype=torch.float32, device=q.device)
-    ml = torch.empty(rows, 2, dtype=torch.float32, device=q.device)
+    n_split = max(1, min(triton.cdiv(S, BLOCK_N), TARGET_BLOCKS // (B * n_kv)))
+    per_split = triton.cdiv(triton.cdiv(S, n_split), BLOCK_N) * BLOCK_N
+    n_split = triton.cdiv(S, per_split)
+    part = torch.empty(B * n_kv * n_split * block_r, DV, dtype=torch.float32, device=q.device)
+    ml = torch.empty(B * n_kv * n_split * block_r, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(B, n_kv, R, DV, dtype=q.dtype, device=q.device)
     q, mask = q.contiguous(), mask.contiguous()
     _splitkv_partial[(B * n_kv, n_split)](
         q, k, v, mask, part, ml, S, tokens, n_kv,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), mask.stride(0), out, out.stride(0), out.stride(1), out.stride(2),
-        R=R, BLOCK_R=block_r, D=D, DV=DV, BLOCK_N=cfg.block_n, PER_SPLIT=per_split, SCALE=D ** -0.5,
-        DIRECT=direct, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if not direct:
-        _splitkv_merge[(B * n_kv,)](part, ml, out, out.stride(0), out.stride(1), out.stride(2), n_kv,
-                                    R=R, BLOCK_R=block_r, DV=DV, N_SPLIT=n_split, num_warps=4)
+        v.stride(0), v.stride(1), v.stride(2), mask.stride(0),
+        R=R, BLOCK_R=block_r, D=D, DV=DV, BLOCK_N=BLOCK_N, PER_SPLIT=per_split, SCALE=D ** -0.5, num_warps=4)
+    _splitkv_merge[(B * n_kv,)](part, ml, out, out.stride(0), out.stride(1), out.stride(2), n_kv,
+                                R=R, BLOCK_R=block_r, DV=DV, N_SPLIT=n_split, num_warps=4)
     return out
