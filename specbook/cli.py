@@ -26,8 +26,9 @@ States of a recorded number (the same words everywhere):
   fresh     re-measured here within tolerance
   drifted   re-measured here outside tolerance (a noisy number: by two of three runs
             interleaved with the recorded commit's engine)
-  moved     a noisy number outside tolerance with the code as recorded: the machine or
-            its environment moved it (shown, exit 0)
+  moved     outside tolerance with the code as recorded: a timing, or an exact number on
+            another kind of processor or GPU; the machine or its environment moved it
+            (shown, exit 0)
   flaky     a noisy number whose three measurements do not agree
   failed    could not be re-measured (the runbook failed)
   current   not re-measured; its inputs are unchanged since it was recorded

@@ -4,7 +4,8 @@ A recorded number is in exactly one state:
 
 - re-measured by this command: **fresh** (within tolerance), **drifted** (outside it; a noisy number only when two of
   three measurements against the recorded commit's engine say so), **moved** (a noisy number outside tolerance with
-  the code and parameters as recorded: the machine or environment moved, not the code; exit 0, but shown),
+  the code and parameters as recorded, or an exact one that differs on another kind of processor or GPU than it was
+  recorded on: the machine or environment moved, not the code; exit 0, but shown),
   **flaky** (no two of three measurements agree: fails like drift), **failed** (the runbook could not run);
 - not re-measured: **current** (its inputs - runbook, parameters, engine code, declared inputs, upstream records -
   hash as when it was recorded), **stale** (they changed since), **reported** (measured by hand on hardware this
@@ -42,8 +43,8 @@ STATES = (FRESH, MOVED, DRIFTED, FLAKY, FAILED, INVALID, CURRENT, STALE, REPORTE
 FAILING = frozenset({DRIFTED, FLAKY, FAILED, INVALID, STALE})
 MEANING = {
     FRESH: "re-measured here within tolerance",
-    MOVED: "re-measured here outside tolerance with the code and parameters as recorded: the machine or its "
-           "environment moved it, not the code",
+    MOVED: "re-measured here outside tolerance with the code and parameters as recorded (a timing, or an exact "
+           "number on another kind of processor or GPU): the machine or its environment moved it, not the code",
     DRIFTED: "re-measured here outside tolerance (noisy numbers: on two runs)",
     FLAKY: "re-measured here twice and the runs disagree",
     FAILED: "could not be re-measured: the runbook failed or cannot be resolved",
@@ -379,11 +380,14 @@ def _rerun(root: Path, name: str, profile: str, prof: dict, static: list[Verdict
     now = provenance.fingerprint(root, t.rb.hashed_source)
     if again:
         _confirm(root, t, prof, again, now, progress, log)
+    exact = [v for v in judged if v.state == DRIFTED and v.kind != "noisy"]
+    if exact:
+        _exact_elsewhere(root, t, prof, exact, now, progress, log)
     env = environment_changes(records.run_of(prof, next(iter(prof["metrics"].values()))["run"]), now)
     if env:
         note = "environment differs from the recorded run: " + "; ".join(env)
         for v in judged:  # the timings, and an exact number that moved: what may explain it
-            if v.here and (v.kind == "noisy" or v.state == DRIFTED):
+            if v.here and (v.kind == "noisy" or v.state in (DRIFTED, MOVED)):
                 v.detail = f"{v.detail}; {note}" if v.detail else note
     return judged
 
@@ -399,12 +403,14 @@ def _judge(v: Verdict, prof: dict, measured: dict[str, float]) -> Verdict:
     return v
 
 
-def other_machine(run_entry: dict, now: dict[str, Any]) -> str | None:
+def other_machine(run_entry: dict, now: dict[str, Any], cpu: tuple[str, ...] = ("model", "count", "isa")) \
+        -> str | None:
     """How the machine a run was recorded on differs from this one (processor model, core count, instruction set,
-    GPUs), or None: the same kind of machine. A timing is a fact about its machine."""
+    GPUs), or None: the same kind of machine. A timing is a fact about its machine; an exact number about its
+    processor and GPUs (cpu=("model", "isa"): the runbooks fix their thread counts)."""
     then = run_entry.get("provenance") or {}
     out = []
-    for key in ("model", "count", "isa"):
+    for key in cpu:
         a, b = (then.get("cpu") or {}).get(key), (now.get("cpu") or {}).get(key)
         if a is not None and b is not None and a != b:
             out.append(f"CPU {key} {a} -> {b}")
@@ -459,6 +465,48 @@ def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], now: dic
                 break
     for v in drifted:
         _rejudge(v, prof["metrics"][v.metric], pairs)
+
+
+def _exact_elsewhere(root: Path, t: Target, prof: dict, drifted: list[Verdict], now: dict[str, Any],
+                     progress: bool, log) -> None:
+    """Judge exact numbers outside their tolerance on another kind of processor or GPU than they were recorded on.
+    Fixed seeds and thread counts make a number exact on one kind of machine; another rounds differently (oneMKL
+    picks its kernels by processor vendor whatever MKL_CBWR says, outside its slow COMPATIBLE mode), and a training
+    run carries the rounding to its last step. On the same kind of machine they stay DRIFTED. Elsewhere, with the
+    inputs as recorded only the machine can explain it: MOVED (exit 0, shown). With changed inputs the recorded
+    commit runs here once and this tree must give its numbers exactly: the same -> MOVED, else DRIFTED."""
+    name, profile = t.rb.name, t.profile
+    run = records.run_of(prof, prof["metrics"][drifted[0].metric]["run"])
+    elsewhere = other_machine(run, now, cpu=("model", "isa"))
+    if elsewhere is None:
+        return
+    where = f"recorded on another machine: {elsewhere}"
+    if run.get("inputs_hash") == t.inputs_hash:
+        log(f"{name} ({profile}): {len(drifted)} exact number(s) differ with the code and parameters as recorded "
+            f"({where}): moved")
+        for v in drifted:
+            v.state, v.change = MOVED, None
+            v.detail = f"{v.detail}; code and parameters as recorded, {where}"
+        return
+    commit = (run.get("provenance") or {}).get("git_commit")
+    a_root = baseline_tree(root, commit)
+    a = None
+    if a_root is not None:
+        try:
+            log(f"{name} ({profile}): {len(drifted)} exact number(s) differ ({where}); running the recorded commit "
+                f"{commit[:10]} here to compare with")
+            a = _measure_or_none(a_root, target(a_root, name, profile), progress, log)
+        except SpecbookError as e:
+            log(f"{name} ({profile}): the recorded commit cannot run it ({e})")
+    for v in drifted:
+        if a is None or v.metric not in a:
+            v.detail = f"{v.detail}; {where}, and the recorded commit could not be run here to compare with"
+            continue
+        entry = {**prof["metrics"][v.metric], "value": a[v.metric]}
+        v.change = drift(entry, v.measured)
+        v.state = DRIFTED if v.change else MOVED
+        same = "differs from" if v.change else "is"
+        v.detail = f"{v.detail}; {where}; this tree's value {same} the recorded commit's here ({a[v.metric]:.6g})"
 
 
 def _settled(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None]]) -> bool:

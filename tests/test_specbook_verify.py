@@ -235,6 +235,43 @@ def test_a_drifted_noisy_number_is_judged_against_the_recorded_commit(tmp_path, 
         assert v.change == "regression" and "interleaved: 2, 2;" in v.detail  # two pairs agree: no third
 
 
+EXACT_RUNBOOK = runbook_text(body="""
+    import os
+    from engine.loss import LOSS
+    record("loss", LOSS + float(os.environ.get("ROUNDING", "0")), unit="nats", direction="lower", kind="exact")
+""")
+
+
+@pytest.mark.parametrize("engine,elsewhere,state", [
+    ("LOSS = 2.0\n", False, DRIFTED),  # the same kind of machine: an exact number must reproduce
+    ("LOSS = 2.0\n", True, MOVED),  # another processor, the code as recorded: its rounding, not the code
+    ("LOSS = 2.0  # refactored\n", True, MOVED),  # changed code, another processor: the recorded commit agrees here
+    ("LOSS = 2.5\n", True, DRIFTED),  # changed code that changes the number: the recorded commit disagrees here
+])
+def test_an_exact_number_on_another_processor_is_judged_against_the_recorded_commit(tmp_path, monkeypatch, engine,
+                                                                                     elsewhere, state):
+    root = make_repo(tmp_path, loss=EXACT_RUNBOOK)
+    (root / "engine").mkdir()
+    (root / "engine" / "loss.py").write_text("LOSS = 2.0\n")
+    (root / ".gitignore").write_text(".specbook/\n")
+    git(root, "init", "-q")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "engine")
+    assert cli(root, "run", "loss", "--record").exit_code == 0
+    (root / "engine" / "loss.py").write_text(engine)
+    monkeypatch.setenv("ROUNDING", "0.001")  # this machine's math rounds otherwise
+    if elsewhere:
+        monkeypatch.setattr(provenance, "cpu_model", lambda: "Another CPU 9000")
+    logged = []
+    [v] = verify(root, "cpu", progress=False, log=logged.append)
+    assert v.state == state, v.detail
+    assert ("recorded on another machine: CPU model" in v.detail) == elsewhere
+    assert any("running the recorded commit" in m for m in logged) == (elsewhere and "2.0\n" not in engine)
+    if elsewhere and state == DRIFTED:
+        assert "differs from the recorded commit's here (2.001)" in v.detail
+    assert exit_code([v]) == (1 if state == DRIFTED else 0)
+
+
 def test_environment_changes_name_what_moved():
     then = {"provenance": {"versions": {"torch": "2.13.0"}, "env": {"NCCL_P2P_LEVEL": "SYS"},
                            "sitecustomize": {"sitecustomize": {"active": False, "hash": None, "path": None}}}}
