@@ -15,8 +15,8 @@ from specbook import SpecbookError, execute, parallel, provenance, records
 from specbook.execute import Target, target
 from specbook.execute import run as run_target
 from specbook.runbooks import check_name, check_profile, discover, find_root, load, parse_cli
-from specbook.verify import (FAILED, FAILING, INVALID, STALE, STATES, Verdict, age, drift, exit_code, plan, status,
-                             verify)
+from specbook.verify import (FAILED, FAILING, INVALID, STALE, STATES, Verdict, age, drift, exit_code, plan,
+                             recorded_here, status, verify)
 
 # Exit codes: the same meanings as `python -m engine`'s (engine/cli_options.py); tests/test_cli_conventions.py holds
 # them together
@@ -332,6 +332,8 @@ def _conclusion(root: Path, o, prof: dict, recorded: bool) -> str:
         except (KeyError, ValueError, IndexError) as e:
             lines.append(f"(the runbook's conclusion could not be filled: {type(e).__name__} {e})")
     head = [metrics[n] for n in rb.reproduces if n in metrics] or list(metrics.values())
+    if prof.get("metrics"):  # this kind of machine's own values, where it recorded them
+        prof = recorded_here(prof, o.target.inputs_hash, provenance.machine())
     entries = prof.get("metrics", {})
     table = [[m.name, _num(m.value), _num(entries[m.name]["value"]) if m.name in entries else "-", m.unit,
               _change(entries.get(m.name), m.value)] for m in head]
@@ -373,8 +375,9 @@ def _machine_note(run_entry: dict) -> str:
         return f"the committed record ({date}) does not name its CPU: timings may compare across machines"
     if gpus_then != gpus_now or (not gpus_now and then != now):
         return (f"the committed record was made on another machine ({', '.join(gpus_then) or then}, {date}; this "
-                f"is {', '.join(gpus_now) or now}): its timings compare across machines, its ratios and exact "
-                "numbers do not depend on that")
+                f"is {', '.join(gpus_now) or now}): its timings compare across machines, and its exact numbers "
+                "(losses, accept lengths) round as that processor does, so they may differ in their last digits "
+                "or, after training, by more (docs/findings.md 15)")
     return f"the committed record was made on this kind of machine ({', '.join(gpus_now) or now}, {date})"
 
 

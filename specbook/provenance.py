@@ -268,6 +268,14 @@ def kernel_environ(root: Path) -> dict[str, str]:
     return {k: os.environ.get(k, v) for k, v in project.settings(root).kernel_env.items()}
 
 
+def machine() -> dict[str, Any]:
+    """This machine's kind, as a run's provenance names it: its GPUs and its processor."""
+    names = gpus()
+    return {"gpu": {"count": len(names), "names": sorted(set(names)), "driver": _driver() if names else None,
+                    "uuids": list(gpu_uuids())},
+            "cpu": {"model": cpu_model(), "count": os.cpu_count(), "isa": cpu_isa()}}
+
+
 def fingerprint(root: Path, runbook_source: str | None = None, params: dict | None = None,
                 inputs: dict[str, str] | None = None) -> dict[str, Any]:
     """Provenance of a run on this machine (docs/architecture.md, Records)."""
@@ -280,9 +288,7 @@ def fingerprint(root: Path, runbook_source: str | None = None, params: dict | No
         "params_hash": sha(canonical(params)) if params is not None else None,
         "engine_hash": engine_hash(root, runbook_source),
         "versions": versions(),
-        "gpu": {"count": len(names), "names": sorted(set(names)), "driver": _driver() if names else None,
-                "uuids": list(gpu_uuids())},
-        "cpu": {"model": cpu_model(), "count": os.cpu_count(), "isa": cpu_isa()},
+        **machine(),
         "env": dict(sorted({**{k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)},
                             **kernel_environ(root)}.items())),
         "sitecustomize": _customize(),

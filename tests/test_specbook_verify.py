@@ -13,7 +13,7 @@ from specbook.provenance import canonical, sha
 from specbook.record import Metric
 from specbook.verify import (CURRENT, DRIFTED, FAILED, FLAKY, FRESH, MOVED, REPORTED, STALE, UNRECORDED, Verdict,
                              age, drift, environment_changes, exit_code, status, verify)
-from specbook_testing import cli, make_repo, runbook_text, write_runbook
+from specbook_testing import baseline, cli, make_repo, runbook_text, write_runbook
 
 
 def entry(value: float, direction: str, rel: float = 0.0, abs_: float = 0.0) -> dict:
@@ -270,6 +270,31 @@ def test_an_exact_number_on_another_processor_is_judged_against_the_recorded_com
     if elsewhere and state == DRIFTED:
         assert "differs from the recorded commit's here (2.001)" in v.detail
     assert exit_code([v]) == (1 if state == DRIFTED else 0)
+
+
+@pytest.mark.parametrize("rounding,state", [("0.001", FRESH), ("0.002", DRIFTED)])
+def test_each_kind_of_processor_verifies_against_the_value_it_recorded(tmp_path, monkeypatch, rounding, state):
+    """Recorded on an AMD machine, then on an Intel one (the newest value, what docs claim): back on AMD the number
+    is judged exactly against AMD's own value, not moved for being another machine's."""
+    root = make_repo(tmp_path, loss=EXACT_RUNBOOK)
+    (root / "engine").mkdir()
+    (root / "engine" / "loss.py").write_text("LOSS = 2.0\n")
+    monkeypatch.setattr(provenance, "cpu_model", lambda: "AMD EPYC")
+    monkeypatch.setenv("ROUNDING", "0.001")
+    assert cli(root, "run", "loss", "--record").exit_code == 0
+    monkeypatch.setattr(provenance, "cpu_model", lambda: "Intel Xeon")
+    monkeypatch.setenv("ROUNDING", "0.003")
+    assert cli(root, "run", "loss", "--record").exit_code == 0
+    assert baseline(root, "loss")["profiles"]["cpu"]["metrics"]["loss"]["value"] == 2.003
+    monkeypatch.setattr(provenance, "cpu_model", lambda: "AMD EPYC")
+    monkeypatch.setenv("ROUNDING", rounding)
+    [v] = verify(root, "cpu", progress=False, log=lambda m: None)
+    assert (v.state, v.recorded) == (state, 2.001), v.detail
+    assert "recorded on this kind of machine" in v.detail
+    assert exit_code([v]) == (1 if state == DRIFTED else 0)
+    shown = cli(root, "run", "loss").output  # the main job's conclusion: this machine's own committed value
+    assert "the committed record was made on this kind of machine (AMD EPYC" in shown, shown
+    assert ("within tolerance" in shown) == (state == FRESH)
 
 
 def test_environment_changes_name_what_moved():
