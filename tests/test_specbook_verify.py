@@ -203,6 +203,19 @@ def git(root: Path, *args: str) -> None:
                    capture_output=True)
 
 
+def recorded_in_git(tmp_path: Path, name: str, runbook: str, engine: str) -> Path:
+    """A repository whose runbook NAME imports engine/NAME.py (holding `engine`), committed, then recorded."""
+    root = make_repo(tmp_path, **{name: runbook})
+    (root / "engine").mkdir()
+    (root / "engine" / f"{name}.py").write_text(engine)
+    (root / ".gitignore").write_text(".specbook/\n")
+    git(root, "init", "-q")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "engine")
+    assert cli(root, "run", name, "--record").exit_code == 0
+    return root
+
+
 SPEED_RUNBOOK = runbook_text(body="""
     import os
     from engine.speed import MS
@@ -216,14 +229,7 @@ SPEED_RUNBOOK = runbook_text(body="""
 ])
 def test_a_drifted_noisy_number_is_judged_against_the_recorded_commit(tmp_path, monkeypatch, engine_ms, machine,
                                                                        state):
-    root = make_repo(tmp_path, speed=SPEED_RUNBOOK)
-    (root / "engine").mkdir()
-    (root / "engine" / "speed.py").write_text("MS = 1.0\n")
-    (root / ".gitignore").write_text(".specbook/\n")
-    git(root, "init", "-q")
-    git(root, "add", "-A")
-    git(root, "commit", "-qm", "engine")
-    assert cli(root, "run", "speed", "--record").exit_code == 0
+    root = recorded_in_git(tmp_path, "speed", SPEED_RUNBOOK, "MS = 1.0\n")
     (root / "engine" / "speed.py").write_text(f"MS = {engine_ms}\n")
     monkeypatch.setenv("MACHINE_FACTOR", machine)
     logged = []
@@ -250,14 +256,7 @@ EXACT_RUNBOOK = runbook_text(body="""
 ])
 def test_an_exact_number_on_another_processor_is_judged_against_the_recorded_commit(tmp_path, monkeypatch, engine,
                                                                                      elsewhere, state):
-    root = make_repo(tmp_path, loss=EXACT_RUNBOOK)
-    (root / "engine").mkdir()
-    (root / "engine" / "loss.py").write_text("LOSS = 2.0\n")
-    (root / ".gitignore").write_text(".specbook/\n")
-    git(root, "init", "-q")
-    git(root, "add", "-A")
-    git(root, "commit", "-qm", "engine")
-    assert cli(root, "run", "loss", "--record").exit_code == 0
+    root = recorded_in_git(tmp_path, "loss", EXACT_RUNBOOK, "LOSS = 2.0\n")
     (root / "engine" / "loss.py").write_text(engine)
     monkeypatch.setenv("ROUNDING", "0.001")  # this machine's math rounds otherwise
     if elsewhere:
