@@ -4,18 +4,22 @@ A runner (specbook's verify and record) may run processes whose numbers are exac
 deterministic whatever else runs - beside one that times something, on one GPU. It tells each the path of that
 GPU's lock file and a role, in the environment (LOCK_ENV, ROLE_ENV); two flock(2) locks coordinate them:
 
-- PATH, the device: a background process holds it shared for as long as it works; a timed section exclusively.
+- PATH, the device: every process holds it shared for as long as it works outside a timed section; a timed
+  section exclusively.
 - PATH.turn, the turnstile: a timed section holds it exclusively from before it asks for the device until it is
-  done, so a background process that reaches a yield point, or starts, waits there rather than take the device.
+  done, so a process that reaches a yield point, or starts, waits there rather than take the device.
 
-So `timed()` waits until every background process has reached `yield_point()` (between two training steps, two
-generations) and emptied its device queue, and nothing but the timer runs on the device, or the host, while it
-times. The kernel drops a process's locks when it ends, so one that crashes blocks no one. Without LOCK_ENV every
-call here does nothing: a process on its own times on a quiet machine anyway.
+So `timed()` waits until every other process has reached `yield_point()` (between two training steps, two
+generations) or a timed section of its own, and emptied its device queue; nothing but the timer runs on the device,
+or the host, while it times. A timer's untimed work (its compiles, captures, warm-ups: most of a timing runbook's
+wall time) is background work like any other, so timers may share a device too: their timed sections take turns.
+The kernel drops a process's locks when it ends, so one that crashes blocks no one. Without LOCK_ENV every call here
+does nothing: a process on its own times on a quiet machine anyway.
 """
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO
@@ -54,50 +58,52 @@ class _Locks:
         fcntl.flock(self.turn, fcntl.LOCK_UN)
         fcntl.flock(self.device, fcntl.LOCK_SH)
 
+    def let_device_go(self) -> None:
+        """Stop holding the device, once this process's queued work on it has run."""
+        _idle_device()
+        fcntl.flock(self.device, fcntl.LOCK_UN)
+
 
 _locks: _Locks | None = None
 
 
 def _mine() -> _Locks | None:
-    """This process's locks, opened on first use (a background process then holds the device); None without
+    """This process's locks, opened on first use (the process then holds the device shared); None without
     LOCK_ENV, in a process forked from the owner (an inherited descriptor shares the parent's lock: letting it go
-    here would let the parent's go) and in one a background process started (its parent holds the device)."""
+    here would let the parent's go) and in one the owner started (its parent holds the device)."""
     global _locks
     if _locks is None:
         path = os.environ.get(LOCK_ENV)
         if not path or os.environ.get(OWNER_ENV, str(os.getpid())) != str(os.getpid()):
             return None
         _locks = _Locks(path, os.environ.get(ROLE_ENV, "timer"))
-        if _locks.role == "background":
-            _locks.take_device_shared()
-            os.environ[OWNER_ENV] = str(_locks.pid)
+        _locks.take_device_shared()
+        os.environ[OWNER_ENV] = str(_locks.pid)
     return _locks if _locks.pid == os.getpid() else None
 
 
 def _idle_device() -> None:
     """Wait until this process's queued device work has run: nothing of it may overlap a timed section."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    torch = sys.modules.get("torch")  # not imported: this process has queued no device work
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
 
 def hold() -> None:
-    """A background process holds the device from its first call here on (engine/__init__ calls it, before any
-    device work); elsewhere nothing."""
+    """A process holds the device from its first call here on (engine/__init__ calls it, before any device work);
+    elsewhere nothing."""
     _mine()
 
 
 def yield_point() -> None:
-    """A background process, between two units of its device work: if a timer is waiting, let it time."""
+    """Between two units of device work (outside a timed section): if a timer is waiting, let it time."""
     locks = _mine()
-    if locks is None or locks.role != "background":
+    if locks is None or locks.depth:
         return
     try:
         fcntl.flock(locks.turn, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:  # a timer holds the turnstile and waits for the device
-        _idle_device()
-        fcntl.flock(locks.device, fcntl.LOCK_UN)
+        locks.let_device_go()
         locks.take_device_shared()
     else:
         fcntl.flock(locks.turn, fcntl.LOCK_UN)
@@ -106,13 +112,15 @@ def yield_point() -> None:
 @contextmanager
 def timed() -> Iterator[None]:
     """A timed section: the device to itself for the block (a timer; nested sections share the outermost one's
-    hold), or a yield point before it (a background process: it records no timings)."""
+    hold), or a yield point before it (a background process: it records no timings). A timer lets its shared hold
+    go before it queues at the turnstile: a timer already there waits for every shared hold to end, its own too."""
     locks = _mine()
     if locks is None or locks.role != "timer":
         yield_point()
         yield
         return
     if locks.depth == 0:
+        locks.let_device_go()
         fcntl.flock(locks.turn, fcntl.LOCK_EX)
         fcntl.flock(locks.device, fcntl.LOCK_EX)
     locks.depth += 1
@@ -126,3 +134,4 @@ def timed() -> Iterator[None]:
             finally:
                 fcntl.flock(locks.device, fcntl.LOCK_UN)
                 fcntl.flock(locks.turn, fcntl.LOCK_UN)
+                locks.take_device_shared()

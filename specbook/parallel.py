@@ -10,17 +10,19 @@ chain of dependents goes first, since the chain bounds the wall time. The childr
 process had judged them all. `runbook record` schedules `runbook run NAME --record` children the same way.
 
 With the timing lock (`[tool.specbook] timing_lock = true`: the project's engine keeps its protocol) the exact
-runbooks also run beside a timing one on its GPU, and the timing runbook has the device to itself only while it
-times. Each child on a GPU gets TIMING_LOCK_ENV, the path of that GPU's lock file, and TIMING_ROLE_ENV, its role:
-- "timer" (a runbook that records a timing): around each timed section it takes PATH.turn exclusively, then PATH
-  exclusively, and releases both after it;
+runbooks also run beside timing ones on their GPU (up to TIMERS of those at once), and a timing runbook has the
+device to itself only while it times. Each child on a GPU gets TIMING_LOCK_ENV, the path of that GPU's lock file, and TIMING_ROLE_ENV, its role:
+- "timer" (a runbook that records a timing): around each timed section it lets its shared hold of PATH go (below),
+  takes PATH.turn exclusively, then PATH exclusively, and after it releases both and holds PATH shared again: the
+  rest of the time it is background work like any other;
 - "background" (a runbook whose numbers are all exact): from its start it holds PATH shared, taking it only through
   PATH.turn (shared, and let go at once), and at every yield point between units of its GPU work (a training step,
   one generation) it finds out whether a timer holds PATH.turn; if one does, it waits for its device's queued work to
   finish, lets PATH go and waits at PATH.turn until the timer is done.
-So a timed section starts once every background process has reached a yield point and emptied its queue, nothing
-but the timer runs on the device (or the host's cores) while it times, and the untimed rest of every runbook - the
-compiles, captures and training that are most of a timing runbook's wall time - overlaps. The locks are flock(2)
+So a timed section starts once every other process has reached a yield point (or a timed section of its own) and
+emptied its queue, nothing but the timer runs on the device (or the host's cores) while it times, and the untimed
+rest of every runbook - the compiles, captures and training that are most of a timing runbook's wall time -
+overlaps. The locks are flock(2)
 locks: the kernel lets go of a process's locks when it ends, so a crashed child blocks no one. A child `runbook`
 process takes the variables out of its own environment and gives them to its runbooks' kernels (kernel_env); around
 runs of an engine that may not keep the protocol (the recorded commit's tree, in an interleaved A/B) a timer child
@@ -42,6 +44,7 @@ from typing import Callable
 
 
 SHARE = 3  # runbooks with only exact numbers at once on one GPU
+TIMERS = 2  # runbooks that time something at once on one GPU, with the timing lock: their timed sections take turns
 TIMING_LOCK_ENV = "SPECBOOK_TIMING_LOCK"  # a GPU's lock file (PATH and PATH.turn), set for each child on it
 TIMING_ROLE_ENV = "SPECBOOK_TIMING_ROLE"  # "timer" or "background"
 _timing: tuple[str, str] | None = None  # this child's (lock path, role), taken out of its environment
@@ -110,8 +113,8 @@ class Finished:
 def sharing(lock: bool) -> str:
     """How runbooks share a GPU, in words, for the log lines of verify and record."""
     if lock:
-        return (f"one that times something has its GPU to itself while it times (the timing lock), up to {SHARE} "
-                "whose numbers are all exact beside it")
+        return (f"one that times something has its GPU to itself while it times (the timing lock): up to {TIMERS} "
+                f"that time something and {SHARE} whose numbers are all exact share one")
     return f"one that times something has its GPU to itself, up to {SHARE} whose numbers are all exact share one"
 
 
@@ -134,8 +137,8 @@ def chain_lengths(jobs: list[Job]) -> dict[str, int]:
 def schedule(jobs: list[Job], slots: list[str], start: Callable[[Job, str], subprocess.Popen],
              log: Callable[[str], None], poll_s: float = 0.2, share: int = 1, lock: bool = False) -> list[Finished]:
     """Run every job on one of `slots` (GPUs), dependencies first: an exclusive job alone on its slot, the others up
-    to `share` at a time on a slot without an exclusive one; with `lock` (the timing lock), up to `share` others
-    beside one exclusive job. A job whose dependency failed still runs: its own verify then builds what it needs, or
+    to `share` at a time on a slot without an exclusive one; with `lock` (the timing lock), up to TIMERS exclusive
+    jobs and `share` others at once on a slot. A job whose dependency failed still runs: its own verify then builds what it needs, or
     fails with the reason."""
     keys = {j.key for j in jobs}
     jobs = [Job(j.name, j.profile, frozenset(a for a in j.after if a in keys), j.exclusive) for j in jobs]
@@ -171,7 +174,7 @@ def estimate(jobs: list[Job], slots: list[str], seconds: dict[str, float], share
              lock: bool = False) -> float:
     """Wall seconds `schedule` would take if each job ran as long as `seconds` says (0 where unknown) and jobs that
     share a slot did not slow each other: the same order and placement, simulated. A lower bound for shared jobs
-    (they compete for the GPU), exact for the others."""
+    (they compete for the GPU, and timing ones take turns at their timed sections), exact for the others."""
     if not slots:
         raise ValueError("no slot to run on")
     keys = {j.key for j in jobs}
@@ -198,13 +201,13 @@ def estimate(jobs: list[Job], slots: list[str], seconds: dict[str, float], share
 
 
 def _place(job: Job, on: dict[str, list[Job]], share: int, lock: bool = False) -> str | None:
-    """A slot the job may start on now, the least busy first; None: wait. An exclusive job needs a slot without
-    another exclusive one, and without the lock a slot to itself; the others a slot with fewer than `share` of
-    their kind, and without the lock one where no exclusive job runs."""
+    """A slot the job may start on now, the least busy first; None: wait. An exclusive job needs, with the lock, a
+    slot with fewer than TIMERS exclusive ones, and without it a slot to itself; the others a slot with fewer than
+    `share` of their kind, and without the lock one where no exclusive job runs."""
     def fits(s: str) -> bool:
         timing = [j for j in on[s] if j.exclusive]
         if job.exclusive:
-            return not timing and (lock or not on[s])
+            return len(timing) < TIMERS if lock else not on[s]
         return len(on[s]) - len(timing) < share and (lock or not timing)
 
     return min((s for s in on if fits(s)), key=lambda s: len(on[s]), default=None)

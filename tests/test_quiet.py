@@ -87,6 +87,30 @@ def test_timed_sections_exclude_background_work_which_runs_the_rest_of_the_time(
     assert any(overlaps(u, w) for u in s["untimed"] for w in s["work"])
 
 
+NAMED_TIMER = """
+me = sys.argv[3]
+for _ in range(int(sys.argv[2])):
+    span("untimed " + me, 0.05)
+    with quiet.timed():
+        span("timed " + me, 0.04)
+"""
+
+
+def test_two_timers_take_turns_at_timing_and_share_the_rest(tmp_path):
+    """Two timing runbooks on one device: neither times while the other works, timed or not, or the background
+    does; their untimed parts (compiles, captures) overlap each other's and the background's."""
+    lock, log = lock_files(tmp_path), tmp_path / "spans"
+    procs = [start(NAMED_TIMER, log, lock, "timer", "8", me) for me in "ab"]
+    procs.append(start(BACKGROUND, log, lock, "background", "60"))
+    assert [p.wait(timeout=60) for p in procs] == [0, 0, 0]
+    s = spans(log)
+    assert [len(s[f"timed {me}"]) for me in "ab"] == [8, 8] and len(s["work"]) == 60
+    for me, other in ("ab", "ba"):
+        busy = s[f"timed {other}"] + s[f"untimed {other}"] + s["work"]
+        assert not [(t, w) for t in s[f"timed {me}"] for w in busy if overlaps(t, w)]
+    assert any(overlaps(u, v) for u in s["untimed a"] for v in s["untimed b"])
+
+
 def test_without_the_lock_the_same_processes_overlap(tmp_path):
     """The check above can fail: with the variables unset nothing is exclusive, and timed sections meet work."""
     log = tmp_path / "spans"
