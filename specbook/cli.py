@@ -277,7 +277,8 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, recor
               "h200.dsv3; repeat it to schedule several profiles' runbooks together.")
 @click.option("--gpus", default="all", show_default=True, metavar="all|N|ID,ID", help="GPUs to spread the runs "
               "over, as verify does: a runbook whose record holds a timing (or that has none yet) has its GPU to "
-              "itself; up to 3 whose numbers are all exact share one. Without GPUs they run one after another.")
+              "itself (with the timing lock: while it times, and two share one); up to 3 whose numbers are all "
+              "exact share one. Without GPUs they run one after another.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (no progress bar).")
 @click.pass_obj
 @click.pass_context
@@ -416,7 +417,8 @@ def _refresh_docs(root: Path, ran: list[str]) -> None:
               "a failing state.")
 @click.option("--gpus", default="all", show_default=True, metavar="all|N|ID,ID", help="GPUs to spread the "
               "re-measured runbooks over, dependencies first: all visible ones, the first N, or these ids. A runbook "
-              "that times something has its GPU to itself; up to 3 whose numbers are all exact share one.")
+              "that times something has its GPU to itself (with the timing lock: while it times, and two share one); "
+              "up to 3 whose numbers are all exact share one.")
 @click.option("--plan", "plan_only", is_flag=True, help="Run nothing: list what would be re-measured, the cell "
               "time of each runbook's recorded run and the estimated wall time on --gpus. With --profile it plans "
               "for that profile's machine, e.g. an h200 verify from a laptop (--gpus N: N such GPUs).")
