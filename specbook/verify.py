@@ -2,8 +2,9 @@
 
 A recorded number is in exactly one state:
 
-- re-measured by this command: **fresh** (within tolerance), **drifted** (outside it; a noisy number only when two of
-  three measurements against the recorded commit's engine say so), **moved** (a noisy number outside tolerance with
+- re-measured by this command: **fresh** (within tolerance; a noisy number with changed inputs only when the
+  interleaved measurements against the recorded commit's engine say so too), **drifted** (outside it; a noisy number
+  only when two of three measurements against the recorded commit's engine say so), **moved** (a noisy number outside tolerance with
   the code and parameters as recorded, or an exact one that differs on another kind of processor or GPU than it was
   recorded on: the machine or environment moved, not the code; exit 0, but shown),
   **flaky** (no two of three measurements agree: fails like drift), **failed** (the runbook could not run);
@@ -378,7 +379,8 @@ def _rerun(root: Path, name: str, profile: str, prof: dict, static: list[Verdict
     now = provenance.fingerprint(root, t.rb.hashed_source)
     prof = recorded_here(prof, t.inputs_hash, now)
     judged = [_judge(v, prof, first) if v.here else v for v in static]
-    again = [v for v in judged if v.state == DRIFTED and v.kind == "noisy"]
+    again = [v for v in judged
+             if v.kind == "noisy" and (v.state == DRIFTED or v.state == FRESH and changed_code(prof, v, t))]
     if again:
         _confirm(root, t, prof, again, now, progress, log)
     exact = [v for v in judged if v.state == DRIFTED and v.kind != "noisy"]
@@ -391,6 +393,14 @@ def _rerun(root: Path, name: str, profile: str, prof: dict, static: list[Verdict
             if v.here and (v.kind == "noisy" or v.state in (DRIFTED, MOVED)):
                 v.detail = f"{v.detail}; {note}" if v.detail else note
     return judged
+
+
+def changed_code(prof: dict, v: Verdict, t: Target) -> bool:
+    """Whether v's number was recorded with other inputs than this tree's (code, parameters, upstream records). A
+    timing within tolerance of such a record is no evidence that the code did not slow down: the machine's pace moves
+    by more than a tolerance between days and loads (a record made on a busy day hid a planted 2x slowdown), so it is
+    judged by the interleaved runs against the recorded commit (_confirm), as one outside tolerance is."""
+    return records.run_of(prof, prof["metrics"][v.metric]["run"]).get("inputs_hash") != t.inputs_hash
 
 
 def recorded_here(prof: dict, inputs_hash: str, now: dict[str, Any]) -> dict:
@@ -447,7 +457,8 @@ def other_machine(run_entry: dict, now: dict[str, Any], cpu: tuple[str, ...] = (
 
 def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], now: dict[str, Any], progress: bool,
              log) -> None:
-    """Judge noisy numbers outside their tolerance. With the code and parameters as recorded (the inputs hash
+    """Judge noisy numbers outside their tolerance, and with changed inputs every noisy number (changed_code). With
+    the code and parameters as recorded (the inputs hash
     unchanged) the code cannot explain a drift: MOVED at once (the machine or its environment; exit 0, shown with
     the value and whether the record was made on another kind of machine, other_machine). More runs could only
     choose between moved and fresh, and on 2 cores or a lent GPU each costs minutes. With changed inputs there are
@@ -479,7 +490,9 @@ def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], now: dic
             log(f"{name} ({profile}): the recorded commit cannot run it ({e}); measuring against the record")
     how = (f"interleaved with the recorded commit {commit[:10]} (A B, three times)" if ta else
            "twice more against the record")
-    log(f"{name} ({profile}): {len(drifted)} noisy number(s) outside tolerance; measuring {how}")
+    outside = sum(v.state == DRIFTED for v in drifted)
+    log(f"{name} ({profile}): the code or parameters changed since the record ({outside} of {len(drifted)} noisy "
+        f"number(s) outside tolerance); measuring {how}")
     pairs: list[tuple[dict | None, dict | None]] = []
     with parallel.exclusive() if ta else contextlib.nullcontext():  # the recorded engine may not keep the lock
         for _ in range(3 if ta else 2):

@@ -241,6 +241,30 @@ def test_a_drifted_noisy_number_is_judged_against_the_recorded_commit(tmp_path, 
         assert v.change == "regression" and "interleaved: 2, 2;" in v.detail  # two pairs agree: no third
 
 
+@pytest.mark.parametrize("engine_ms,state", [
+    ("1.9", DRIFTED),  # a slowdown inside the tolerance of a record made on a busier day
+    ("1.0  # refactored", FRESH),  # changed code that is as fast: the recorded engine measures the same
+])
+def test_with_changed_code_a_timing_within_tolerance_is_judged_against_the_recorded_commit(tmp_path, monkeypatch,
+                                                                                          engine_ms, state):
+    monkeypatch.setenv("MACHINE_FACTOR", "2")  # recorded while the machine ran at half its pace
+    root = recorded_in_git(tmp_path, "speed", SPEED_RUNBOOK, "MS = 1.0\n")
+    monkeypatch.setenv("MACHINE_FACTOR", "1")
+    (root / "engine" / "speed.py").write_text(f"MS = {engine_ms}\n")
+    logged = []
+    [v] = verify(root, "cpu", progress=False, log=logged.append)
+    assert any("interleaved with the recorded commit" in m for m in logged), logged
+    assert v.state == state, v.detail
+    assert exit_code([v]) == (1 if state == DRIFTED else 0)
+
+
+def test_with_the_code_as_recorded_a_timing_within_tolerance_takes_one_run(tmp_path, monkeypatch):
+    root = recorded_in_git(tmp_path, "speed", SPEED_RUNBOOK, "MS = 1.0\n")
+    logged = []
+    [v] = verify(root, "cpu", progress=False, log=logged.append)
+    assert v.state == FRESH and not any("interleaved" in m for m in logged)
+
+
 EXACT_RUNBOOK = runbook_text(body="""
     import os
     from engine.loss import LOSS
