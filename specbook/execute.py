@@ -36,9 +36,9 @@ from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from papermill.exceptions import PapermillExecutionError
 from traitlets.config import Config
 
-from specbook import RunFailed, SpecbookError, parallel, records
+from specbook import RunFailed, SpecbookError, cpuload, parallel, records
 from specbook.fsutil import atomic_write
-from specbook.provenance import engine_hash, fingerprint, input_fingerprint, inputs_hash, kernel_environ, now_iso
+from specbook.provenance import engine_hash, fingerprint, gpus, input_fingerprint, inputs_hash, kernel_environ, now_iso
 from specbook.record import RECORD_FILE_ENV, Metric, read_metrics
 from specbook.runbooks import Runbook, load
 
@@ -359,6 +359,7 @@ def _run_locked(root: Path, t: Target, *, record: bool, force: bool, progress: b
     (t.outputs_dir / DONE).unlink(missing_ok=True)
     work = _new_run_dir(root / RUNS, t)
     notebook = work / f"{t.rb.name}-{t.profile}.ipynb"
+    others = cpuload.Others.start()
     try:
         ex = execute(root, t.rb, t.injected(), notebook, progress)
     except KeyboardInterrupt:
@@ -367,8 +368,10 @@ def _run_locked(root: Path, t: Target, *, record: bool, force: bool, progress: b
     if missing := [m for m in t.rb.reproduces if m not in {x.name for x in ex.metrics}]:
         raise RunFailed(f"runbook {t.rb.name} declares reproduces {missing} but did not record them "
                         f"(notebook: {notebook})")
-    seconds = _lap()
-    run_id = _record_run(root, t, ex, seconds, log) if record and ex.metrics else None
+    seconds, share = _lap(), others.share()
+    if record and ex.metrics:
+        _refuse_busy(t, ex, share, notebook)
+    run_id = _record_run(root, t, ex, seconds, share, log) if record and ex.metrics else None
     kept = _publish(notebook, root / (EXECUTED if record else LOCAL_EXECUTED) / f"{t.rb.name}-{t.profile}.ipynb")
     atomic_write(t.outputs_dir / DONE, (json.dumps({"run": run_id, "date": now_iso()}) + "\n").encode())
     shutil.rmtree(work)  # only after success: a failed run's error message points into its directory
@@ -459,12 +462,29 @@ def clean_stale_runs(runs: Path, max_age_s: float = STALE_RUN_S) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _record_run(root: Path, t: Target, ex: Execution, seconds: float, log: Callable[[str], None]) -> str:
+def _refuse_busy(t: Target, ex: Execution, share: float | None, notebook: Path) -> None:
+    """A run that times something on a machine without GPUs is not recorded when other processes took more than
+    cpuload.BUSY_SHARE of its cores meanwhile: its timings would describe the load. (On a GPU machine the timing lock
+    keeps other runbooks out of timed sections, and they share the host by design.)"""
+    if share is None or share <= cpuload.BUSY_SHARE or cpuload.allowed() or gpus():
+        return
+    if all(m.kind != "noisy" for m in ex.metrics):  # exact numbers do not depend on the load
+        return
+    raise RunFailed(f"{t.rb.name} on {t.profile}: not recorded: other processes used {share:.0%} of this machine's "
+                    f"CPU while it ran, so its timings would measure the load; run it again on a quiet machine, or "
+                    f"set {cpuload.ALLOW_BUSY_ENV}=1 to record anyway (the share is kept with the run; notebook: "
+                    f"{notebook})")
+
+
+def _record_run(root: Path, t: Target, ex: Execution, seconds: float, share: float | None,
+                log: Callable[[str], None]) -> str:
     date = now_iso()
     params = _plain_data(t.params)
     run = {"id": records.new_run_id(date), "date": date, "source": "measured", "inputs_hash": t.inputs_hash,
            "seconds": round(seconds, 1), "parameters": params,
            "provenance": _plain_data(fingerprint(root, t.rb.hashed_source, params, t.all_inputs()))}
+    if share is not None:
+        run["provenance"]["others_cpu_share"] = round(share, 3)  # what else ran on the machine meanwhile
     if dropped := records.add_run(root, t.rb.name, t.profile, run, ex.metrics):
         log(f"dropped from the {t.profile} record, which this run no longer measures: {', '.join(dropped)}")
     return run["id"]
