@@ -223,7 +223,9 @@ def _rank(state: str) -> int:
               "the runbook, e.g. cpu.dsv3.")
 @click.option("--record", "record_", is_flag=True, help="Write the numbers into baselines/, the executed notebook "
               "into docs/runbooks/executed/ and the claim literals into docs/ (for a commit). Without it a run "
-              "changes no tracked file: it measures and compares with the committed record.")
+              "changes no tracked file: it measures and compares with the committed record. On a machine "
+              "without GPUs a run that times something is not recorded while other processes take over a tenth "
+              "of the cores (SPECBOOK_ALLOW_BUSY=1 records anyway).")
 @click.option("--force", is_flag=True, help="Re-run dependencies even when their cached outputs are current.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (no progress bar).")
 @click.pass_obj
