@@ -1,7 +1,7 @@
 """How busy the machine was, apart from this process and its children, while a run took place.
 
-A timing recorded while other processes shared the CPU measures the load as much as the engine: such a record then
-hides a real slowdown inside its tolerance (docs/findings.md, section 17). `Others` reads the kernel's CPU counters
+A timing recorded while other processes shared the CPU measures the load as well as the engine, and a record that is
+off hides a real slowdown inside its tolerance (docs/findings.md, section 17). `Others` reads the kernel's CPU counters
 (/proc/stat: every core's busy time) and this process's own and reaped children's CPU time (os.times) before and
 after; the difference is what the rest of the machine used, as a share of the cores over the wall time. Linux only;
 elsewhere it reports nothing.

@@ -1,5 +1,5 @@
-"""A run that times something is not recorded while other processes load the machine (specbook/cpuload.py): such a
-record later hid a planted slowdown inside its tolerance (docs/findings.md, section 17)."""
+"""A run that times something is not recorded while other processes load the machine (specbook/cpuload.py): a
+record that is off hides a real slowdown inside its tolerance (docs/findings.md, section 17)."""
 from __future__ import annotations
 
 import os
