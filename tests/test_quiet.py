@@ -71,7 +71,8 @@ def overlaps(a: tuple[float, float], b: tuple[float, float]) -> bool:
 def lock_files(tmp_path: Path) -> Path:
     lock = tmp_path / "gpu-0.timing.lock"
     lock.touch()
-    lock.with_name(lock.name + ".turn").touch()
+    for suffix in (".turn", ".timers"):
+        lock.with_name(lock.name + suffix).touch()
     return lock
 
 
@@ -109,6 +110,36 @@ def test_two_timers_take_turns_at_timing_and_share_the_rest(tmp_path):
         busy = s[f"timed {other}"] + s[f"untimed {other}"] + s["work"]
         assert not [(t, w) for t in s[f"timed {me}"] for w in busy if overlaps(t, w)]
     assert any(overlaps(u, v) for u in s["untimed a"] for v in s["untimed b"])
+
+
+def test_a_timer_waiting_for_another_ones_untimed_work_does_not_stop_the_background(tmp_path):
+    """Timer b compiles (untimed, no yield points: a torch.compile or a capture) when timer a asks to time. a waits
+    for b to finish that work, and the background goes on meanwhile: a waiting timer does not hold the turnstile, or
+    every training step beside it would stop for as long as b's compile lasts."""
+    lock, log, ready = lock_files(tmp_path), tmp_path / "spans", tmp_path / "b-holds"
+    compiling = f"""
+    quiet.hold()
+    open({str(ready)!r}, "w").close()
+    span("untimed b", 1.5)
+    with quiet.timed():
+        span("timed b", 0.05)
+    """
+    asking = f"""
+    import os
+    quiet.hold()
+    while not os.path.exists({str(ready)!r}):
+        time.sleep(0.01)
+    span("asks a", 0.0)
+    with quiet.timed():
+        span("timed a", 0.05)
+    """
+    procs = [start(compiling, log, lock, "timer"), start(asking, log, lock, "timer"),
+             start(BACKGROUND, log, lock, "background", "120")]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0, 0]
+    s = spans(log)
+    (asked, _), (_, compiled) = s["asks a"][0], s["untimed b"][0]
+    assert s["timed a"][0][0] >= compiled  # a timed only once b's untimed work was done
+    assert [w for w in s["work"] if asked + 0.1 < w[0] and w[1] < compiled]  # ... and the background went on
 
 
 def test_without_the_lock_the_same_processes_overlap(tmp_path):
