@@ -33,6 +33,9 @@ nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
 pack() { tar czf "$out/results.tgz" baselines docs/runbooks/executed logs 2>/dev/null; }
 trap 'echo "== cut at $(date -u +%H:%M:%S): packing what finished" >&2; pack; exit 124' TERM INT
 
+# each line of a chain's log gets the time (UTC) and its GPU: where a run's minutes went, read off the log
+stamp() { while IFS= read -r line; do TZ=UTC printf '%(%H:%M:%S)T [gpu %s] %s\n' -1 "$1" "$line"; done; }
+
 gpu=0
 for chain in "$@"; do
   (
@@ -45,7 +48,7 @@ for chain in "$@"; do
       python3 -m specbook.cli $cmd || { c=$?; echo "== gpu $gpu: exit $c: runbook $cmd"; [ "$rc" -ne 0 ] || rc=$c; }
     done
     echo "$rc" > "logs/gpu$gpu.rc"
-  ) 2>&1 | sed -u "s/^/[gpu $gpu] /" | tee "logs/gpu$gpu.log" > "$out/gpu$gpu.log" &
+  ) 2>&1 | stamp "$gpu" | tee "logs/gpu$gpu.log" > "$out/gpu$gpu.log" &
   gpu=$((gpu + 1))
 done
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 import subprocess
 import uuid
 from pathlib import Path
@@ -46,3 +47,16 @@ def test_bad_input_exits_2_with_one_line(tmp_path, name):
     assert job(tmp_path, "start", name, "true").returncode == 0
     r = job(tmp_path, "start", name, "true")  # one job per name
     assert r.returncode == 2 and "already started" in r.stderr
+
+
+def test_stop_cuts_the_job_which_still_packs_and_its_exit_code_comes_back(tmp_path, name):
+    """A lease about to end: `stop` sends TERM to the job's processes; a job that traps it (gpu-runbooks.sh packs
+    what finished) still writes its exit code, and `stop` returns it."""
+    script = "trap 'echo packed; exit 124' TERM; echo working; sleep 30 & wait"
+    assert job(tmp_path, "start", name, script).returncode == 0
+    time.sleep(1)
+    r = job(tmp_path, "stop", name, "20")
+    assert r.returncode == 124, r.stdout + r.stderr
+    assert "sent TERM" in r.stdout and "packed" in r.stdout and "ended: exit 124" in r.stdout
+    r = job(tmp_path, "stop", name, "1")  # already over: nothing to signal, the same answer
+    assert r.returncode == 124 and "sent TERM" not in r.stdout

@@ -4,6 +4,7 @@ script is cut (a lent machine's call ends at its limit; what finished must still
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -54,6 +55,7 @@ def test_the_first_failing_chain_sets_the_exit_code_and_every_chain_runs_to_its_
     assert "baselines/b.yaml" in members(tmp_path)  # the chain went on after its failure
     log = (tmp_path / "out" / "gpu0.log").read_text()
     assert "[gpu 0] ran record b" in log and "exit 5" in log
+    assert all(re.match(r"\d\d:\d\d:\d\d \[gpu 0\] ", line) for line in log.splitlines())  # each line timed
     assert "exit 7" in (tmp_path / "out" / "gpu1.log").read_text()
 
 
