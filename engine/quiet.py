@@ -12,6 +12,9 @@ GPU's lock file and a role, in the environment (LOCK_ENV, ROLE_ENV); two flock(2
   the turnstile. A timer's untimed work (its compiles, captures, warm-ups: most of a timing runbook's wall time) has
   no yield points, so a timer waiting for another one's untimed work to end waits here, where the background goes on,
   not at the turnstile, where it would stop the background for as long as that compile lasts.
+- PATH.queue, the timers' turnstile: a timed section holds it exclusively from before it asks for PATH.timers until
+  it is done, and a timer passes it before it takes PATH.timers shared again. So timers time in the order they asked:
+  one that has just timed cannot take its shared hold back, and start another compile, ahead of one that waits.
 
 So `timed()` waits until every other timer has reached a timed section of its own (or ended), then until every
 background process has reached `yield_point()` (between two training steps, two generations) and emptied its device
@@ -53,6 +56,7 @@ class _Locks:
             self.device: IO = open(path, "a")
             self.turn: IO = open(path + ".turn", "a")
             self.timers: IO = open(path + ".timers", "a")
+            self.queue: IO = open(path + ".queue", "a")
         except OSError as e:
             raise EngineError(f"{LOCK_ENV}={path}: cannot open the timing lock: {e.strerror}") from None
         self.role, self.pid, self.depth = role, os.getpid(), 0
@@ -62,6 +66,8 @@ class _Locks:
         timers' lock shared (in this order: a timer that held the device while it waited for that lock would keep
         the one timing from ever getting the device)."""
         if self.role == "timer":
+            fcntl.flock(self.queue, fcntl.LOCK_SH)
+            fcntl.flock(self.queue, fcntl.LOCK_UN)
             fcntl.flock(self.timers, fcntl.LOCK_SH)
         fcntl.flock(self.turn, fcntl.LOCK_SH)
         fcntl.flock(self.turn, fcntl.LOCK_UN)
@@ -131,6 +137,7 @@ def timed() -> Iterator[None]:
     if locks.depth == 0:
         locks.let_device_go()
         fcntl.flock(locks.timers, fcntl.LOCK_UN)
+        fcntl.flock(locks.queue, fcntl.LOCK_EX)  # behind the timers that asked first
         fcntl.flock(locks.timers, fcntl.LOCK_EX)  # the other timers' untimed work ends; the background goes on
         fcntl.flock(locks.turn, fcntl.LOCK_EX)
         fcntl.flock(locks.device, fcntl.LOCK_EX)
@@ -146,4 +153,5 @@ def timed() -> Iterator[None]:
                 fcntl.flock(locks.device, fcntl.LOCK_UN)
                 fcntl.flock(locks.turn, fcntl.LOCK_UN)
                 fcntl.flock(locks.timers, fcntl.LOCK_UN)
+                fcntl.flock(locks.queue, fcntl.LOCK_UN)
                 locks.take_device_shared()

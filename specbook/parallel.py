@@ -13,9 +13,10 @@ With the timing lock (`[tool.specbook] timing_lock = true`: the project's engine
 runbooks also run beside timing ones on their GPU (up to TIMERS of those at once), and a timing runbook has the
 device to itself only while it times. Each child on a GPU gets TIMING_LOCK_ENV, the path of that GPU's lock file, and TIMING_ROLE_ENV, its role:
 - "timer" (a runbook that records a timing): outside its timed sections it holds PATH.timers and PATH shared; around
-  each timed section it lets both go, takes PATH.timers exclusively (once every other timer is timing or waiting to:
-  meanwhile the background goes on), then PATH.turn, then PATH, and after it releases all three and holds
-  PATH.timers and PATH shared again;
+  each timed section it lets both go, queues at PATH.queue (exclusively: timers time in the order they asked), takes
+  PATH.timers exclusively (once every other timer is timing or waiting to: meanwhile the background goes on), then
+  PATH.turn, then PATH, and after it releases all four and passes PATH.queue to hold PATH.timers and PATH shared
+  again;
 - "background" (a runbook whose numbers are all exact): from its start it holds PATH shared, taking it only through
   PATH.turn (shared, and let go at once), and at every yield point between units of its GPU work (a training step,
   one generation) it finds out whether a timer holds PATH.turn; if one does, it waits for its device's queued work to
@@ -46,7 +47,7 @@ from typing import Callable
 
 SHARE = 3  # runbooks with only exact numbers at once on one GPU
 TIMERS = 2  # runbooks that time something at once on one GPU, with the timing lock: their timed sections take turns
-TIMING_LOCK_ENV = "SPECBOOK_TIMING_LOCK"  # a GPU's lock file (PATH, PATH.turn, PATH.timers), set for each child on it
+TIMING_LOCK_ENV = "SPECBOOK_TIMING_LOCK"  # a GPU's lock file (PATH and three beside it), set for each child on it
 TIMING_ROLE_ENV = "SPECBOOK_TIMING_ROLE"  # "timer" or "background"
 _timing: tuple[str, str] | None = None  # this child's (lock path, role), taken out of its environment
 _held = 0  # depth of exclusive() blocks: the timer holds its GPU itself
@@ -80,7 +81,9 @@ def exclusive() -> Iterator[None]:
     import fcntl  # POSIX, as the lock is: only a machine whose GPUs a runner shares gets here
 
     path = _timing[0]
-    with open(path + ".timers", "a") as timers, open(path + ".turn", "a") as turn, open(path, "a") as device:
+    with (open(path + ".queue", "a") as queue, open(path + ".timers", "a") as timers, open(path + ".turn", "a") as turn,
+          open(path, "a") as device):
+        fcntl.flock(queue, fcntl.LOCK_EX)  # behind the timers that asked first
         fcntl.flock(timers, fcntl.LOCK_EX)  # the other timers wait to time
         fcntl.flock(turn, fcntl.LOCK_EX)  # the background processes stop at their next yield point
         fcntl.flock(device, fcntl.LOCK_EX)  # ... and have let the device go
@@ -239,10 +242,10 @@ def child(root: Path, scratch: Path, log: Callable[[str], None], argv: Callable[
 
 
 def lock_file(scratch: Path, slot: str) -> Path:
-    """GPU `slot`'s timing lock (and PATH.turn, PATH.timers beside it), made if missing: the children only open
-    them."""
+    """GPU `slot`'s timing lock (and PATH.turn, PATH.timers, PATH.queue beside it), made if missing: the children
+    only open them."""
     path = scratch / f"gpu-{slot}.timing.lock"
-    for p in (path, path.with_name(path.name + ".turn"), path.with_name(path.name + ".timers")):
+    for p in [path] + [path.with_name(path.name + x) for x in (".turn", ".timers", ".queue")]:
         p.touch()
     return path
 
