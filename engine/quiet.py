@@ -2,7 +2,7 @@
 
 A runner (specbook's verify and record) may run processes whose numbers are exact - training, accept lengths:
 deterministic whatever else runs - beside one that times something, on one GPU. It tells each the path of that
-GPU's lock file and a role, in the environment (LOCK_ENV, ROLE_ENV); two flock(2) locks coordinate them:
+GPU's lock file and a role, in the environment (LOCK_ENV, ROLE_ENV); four flock(2) locks coordinate them:
 
 - PATH, the device: every process holds it shared for as long as it works outside a timed section; a timed
   section exclusively.
@@ -62,9 +62,9 @@ class _Locks:
         self.role, self.pid, self.depth = role, os.getpid(), 0
 
     def take_device_shared(self) -> None:
-        """Pass the turnstile (wait while a timer holds it), then hold the device shared; a timer first holds the
-        timers' lock shared (in this order: a timer that held the device while it waited for that lock would keep
-        the one timing from ever getting the device)."""
+        """Pass the turnstile (wait while a timer holds it), then hold the device shared; a timer first passes the
+        timers' queue and holds the timers' lock shared (in this order: a timer that held the device while it waited
+        for that lock would keep the one timing from ever getting the device)."""
         if self.role == "timer":
             fcntl.flock(self.queue, fcntl.LOCK_SH)
             fcntl.flock(self.queue, fcntl.LOCK_UN)
