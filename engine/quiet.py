@@ -2,17 +2,24 @@
 
 A runner (specbook's verify and record) may run processes whose numbers are exact - training, accept lengths:
 deterministic whatever else runs - beside one that times something, on one GPU. It tells each the path of that
-GPU's lock file and a role, in the environment (LOCK_ENV, ROLE_ENV); two flock(2) locks coordinate them:
+GPU's lock file and a role, in the environment (LOCK_ENV, ROLE_ENV); four flock(2) locks coordinate them:
 
 - PATH, the device: every process holds it shared for as long as it works outside a timed section; a timed
   section exclusively.
 - PATH.turn, the turnstile: a timed section holds it exclusively from before it asks for the device until it is
   done, so a process that reaches a yield point, or starts, waits there rather than take the device.
+- PATH.timers: a timer holds it shared outside its timed sections, a timed section exclusively, and takes it before
+  the turnstile. A timer's untimed work (its compiles, captures, warm-ups: most of a timing runbook's wall time) has
+  no yield points, so a timer waiting for another one's untimed work to end waits here, where the background goes on,
+  not at the turnstile, where it would stop the background for as long as that compile lasts.
+- PATH.queue, the timers' turnstile: a timed section holds it exclusively from before it asks for PATH.timers until
+  it is done, and a timer passes it before it takes PATH.timers shared again. So timers time in the order they asked:
+  one that has just timed cannot take its shared hold back, and start another compile, ahead of one that waits.
 
-So `timed()` waits until every other process has reached `yield_point()` (between two training steps, two
-generations) or a timed section of its own, and emptied its device queue; nothing but the timer runs on the device,
-or the host, while it times. A timer's untimed work (its compiles, captures, warm-ups: most of a timing runbook's
-wall time) is background work like any other, so timers may share a device too: their timed sections take turns.
+So `timed()` waits until every other timer has reached a timed section of its own (or ended), then until every
+background process has reached `yield_point()` (between two training steps, two generations) and emptied its device
+queue; nothing but the timer runs on the device, or the host, while it times. Timers may share a device too: their
+timed sections take turns, their untimed work overlaps everything else's.
 The kernel drops a process's locks when it ends, so one that crashes blocks no one. Without LOCK_ENV every call here
 does nothing: a process on its own times on a quiet machine anyway.
 """
@@ -48,12 +55,20 @@ class _Locks:
         try:
             self.device: IO = open(path, "a")
             self.turn: IO = open(path + ".turn", "a")
+            self.timers: IO = open(path + ".timers", "a")
+            self.queue: IO = open(path + ".queue", "a")
         except OSError as e:
             raise EngineError(f"{LOCK_ENV}={path}: cannot open the timing lock: {e.strerror}") from None
         self.role, self.pid, self.depth = role, os.getpid(), 0
 
     def take_device_shared(self) -> None:
-        """Pass the turnstile (wait while a timer holds it), then hold the device shared."""
+        """Pass the turnstile (wait while a timer holds it), then hold the device shared; a timer first passes the
+        timers' queue and holds the timers' lock shared (in this order: a timer that held the device while it waited
+        for that lock would keep the one timing from ever getting the device)."""
+        if self.role == "timer":
+            fcntl.flock(self.queue, fcntl.LOCK_SH)
+            fcntl.flock(self.queue, fcntl.LOCK_UN)
+            fcntl.flock(self.timers, fcntl.LOCK_SH)
         fcntl.flock(self.turn, fcntl.LOCK_SH)
         fcntl.flock(self.turn, fcntl.LOCK_UN)
         fcntl.flock(self.device, fcntl.LOCK_SH)
@@ -112,8 +127,8 @@ def yield_point() -> None:
 @contextmanager
 def timed() -> Iterator[None]:
     """A timed section: the device to itself for the block (a timer; nested sections share the outermost one's
-    hold), or a yield point before it (a background process: it records no timings). A timer lets its shared hold
-    go before it queues at the turnstile: a timer already there waits for every shared hold to end, its own too."""
+    hold), or a yield point before it (a background process: it records no timings). A timer lets its shared holds
+    go before it queues: a timer already queued waits for every shared hold to end, its own too."""
     locks = _mine()
     if locks is None or locks.role != "timer":
         yield_point()
@@ -121,6 +136,9 @@ def timed() -> Iterator[None]:
         return
     if locks.depth == 0:
         locks.let_device_go()
+        fcntl.flock(locks.timers, fcntl.LOCK_UN)
+        fcntl.flock(locks.queue, fcntl.LOCK_EX)  # behind the timers that asked first
+        fcntl.flock(locks.timers, fcntl.LOCK_EX)  # the other timers' untimed work ends; the background goes on
         fcntl.flock(locks.turn, fcntl.LOCK_EX)
         fcntl.flock(locks.device, fcntl.LOCK_EX)
     locks.depth += 1
@@ -134,4 +152,6 @@ def timed() -> Iterator[None]:
             finally:
                 fcntl.flock(locks.device, fcntl.LOCK_UN)
                 fcntl.flock(locks.turn, fcntl.LOCK_UN)
+                fcntl.flock(locks.timers, fcntl.LOCK_UN)
+                fcntl.flock(locks.queue, fcntl.LOCK_UN)
                 locks.take_device_shared()

@@ -12,15 +12,17 @@ process had judged them all. `runbook record` schedules `runbook run NAME --reco
 With the timing lock (`[tool.specbook] timing_lock = true`: the project's engine keeps its protocol) the exact
 runbooks also run beside timing ones on their GPU (up to TIMERS of those at once), and a timing runbook has the
 device to itself only while it times. Each child on a GPU gets TIMING_LOCK_ENV, the path of that GPU's lock file, and TIMING_ROLE_ENV, its role:
-- "timer" (a runbook that records a timing): around each timed section it lets its shared hold of PATH go (below),
-  takes PATH.turn exclusively, then PATH exclusively, and after it releases both and holds PATH shared again: the
-  rest of the time it is background work like any other;
+- "timer" (a runbook that records a timing): outside its timed sections it holds PATH.timers and PATH shared; around
+  each timed section it lets both go, queues at PATH.queue (exclusively: timers time in the order they asked), takes
+  PATH.timers exclusively (once every other timer is timing or waiting to: meanwhile the background goes on), then
+  PATH.turn, then PATH, and after it releases all four and passes PATH.queue to hold PATH.timers and PATH shared
+  again;
 - "background" (a runbook whose numbers are all exact): from its start it holds PATH shared, taking it only through
   PATH.turn (shared, and let go at once), and at every yield point between units of its GPU work (a training step,
   one generation) it finds out whether a timer holds PATH.turn; if one does, it waits for its device's queued work to
   finish, lets PATH go and waits at PATH.turn until the timer is done.
-So a timed section starts once every other process has reached a yield point (or a timed section of its own) and
-emptied its queue, nothing but the timer runs on the device (or the host's cores) while it times, and the untimed
+So a timed section starts once every other timer waits to time and every background process has reached a yield
+point and emptied its queue, nothing but the timer runs on the device (or the host's cores) while it times, and the untimed
 rest of every runbook - the compiles, captures and training that are most of a timing runbook's wall time -
 overlaps. The locks are flock(2)
 locks: the kernel lets go of a process's locks when it ends, so a crashed child blocks no one. A child `runbook`
@@ -45,7 +47,7 @@ from typing import Callable
 
 SHARE = 3  # runbooks with only exact numbers at once on one GPU
 TIMERS = 2  # runbooks that time something at once on one GPU, with the timing lock: their timed sections take turns
-TIMING_LOCK_ENV = "SPECBOOK_TIMING_LOCK"  # a GPU's lock file (PATH and PATH.turn), set for each child on it
+TIMING_LOCK_ENV = "SPECBOOK_TIMING_LOCK"  # a GPU's lock file (PATH and three beside it), set for each child on it
 TIMING_ROLE_ENV = "SPECBOOK_TIMING_ROLE"  # "timer" or "background"
 _timing: tuple[str, str] | None = None  # this child's (lock path, role), taken out of its environment
 _held = 0  # depth of exclusive() blocks: the timer holds its GPU itself
@@ -79,7 +81,10 @@ def exclusive() -> Iterator[None]:
     import fcntl  # POSIX, as the lock is: only a machine whose GPUs a runner shares gets here
 
     path = _timing[0]
-    with open(path + ".turn", "a") as turn, open(path, "a") as device:
+    with (open(path + ".queue", "a") as queue, open(path + ".timers", "a") as timers, open(path + ".turn", "a") as turn,
+          open(path, "a") as device):
+        fcntl.flock(queue, fcntl.LOCK_EX)  # behind the timers that asked first
+        fcntl.flock(timers, fcntl.LOCK_EX)  # the other timers wait to time
         fcntl.flock(turn, fcntl.LOCK_EX)  # the background processes stop at their next yield point
         fcntl.flock(device, fcntl.LOCK_EX)  # ... and have let the device go
         _held += 1
@@ -237,9 +242,10 @@ def child(root: Path, scratch: Path, log: Callable[[str], None], argv: Callable[
 
 
 def lock_file(scratch: Path, slot: str) -> Path:
-    """GPU `slot`'s timing lock (and PATH.turn beside it), made if missing: the children only open them."""
+    """GPU `slot`'s timing lock (and PATH.turn, PATH.timers, PATH.queue beside it), made if missing: the children
+    only open them."""
     path = scratch / f"gpu-{slot}.timing.lock"
-    for p in (path, path.with_name(path.name + ".turn")):
+    for p in [path] + [path.with_name(path.name + x) for x in (".turn", ".timers", ".queue")]:
         p.touch()
     return path
 

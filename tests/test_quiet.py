@@ -5,6 +5,7 @@ the protocol is the same, only the device sync is empty."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -71,7 +72,8 @@ def overlaps(a: tuple[float, float], b: tuple[float, float]) -> bool:
 def lock_files(tmp_path: Path) -> Path:
     lock = tmp_path / "gpu-0.timing.lock"
     lock.touch()
-    lock.with_name(lock.name + ".turn").touch()
+    for suffix in (".turn", ".timers", ".queue"):
+        lock.with_name(lock.name + suffix).touch()
     return lock
 
 
@@ -109,6 +111,72 @@ def test_two_timers_take_turns_at_timing_and_share_the_rest(tmp_path):
         busy = s[f"timed {other}"] + s[f"untimed {other}"] + s["work"]
         assert not [(t, w) for t in s[f"timed {me}"] for w in busy if overlaps(t, w)]
     assert any(overlaps(u, v) for u in s["untimed a"] for v in s["untimed b"])
+
+
+def test_a_timer_waiting_for_another_ones_untimed_work_does_not_stop_the_background(tmp_path):
+    """Timer b compiles (untimed, no yield points: a torch.compile or a capture) when timer a asks to time. a waits
+    for b to finish that work, and the background goes on meanwhile: a waiting timer does not hold the turnstile, or
+    every training step beside it would stop for as long as b's compile lasts."""
+    lock, log, ready = lock_files(tmp_path), tmp_path / "spans", tmp_path / "b-holds"
+    compiling = f"""
+    quiet.hold()
+    open({str(ready)!r}, "w").close()
+    span("untimed b", 1.5)
+    with quiet.timed():
+        span("timed b", 0.05)
+    """
+    asking = f"""
+    import os
+    quiet.hold()
+    while not os.path.exists({str(ready)!r}):
+        time.sleep(0.01)
+    span("asks a", 0.0)
+    with quiet.timed():
+        span("timed a", 0.05)
+    """
+    procs = [start(compiling, log, lock, "timer"), start(asking, log, lock, "timer"),
+             start(BACKGROUND, log, lock, "background", "120")]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0, 0]
+    s = spans(log)
+    (asked, _), (_, compiled) = s["asks a"][0], s["untimed b"][0]
+    assert s["timed a"][0][0] >= compiled  # a timed only once b's untimed work was done
+    assert [w for w in s["work"] if asked + 0.1 < w[0] and w[1] < compiled]  # ... and the background went on
+
+
+def test_timers_time_in_the_order_they_asked(tmp_path):
+    """Timer d asks while timer b compiles (untimed); then b asks too. d times first: it was first in the queue. d is
+    stopped from just after it asked until after b asked, so that d cannot win by being quick when b's compile
+    ends: the order must come from the lock, or d would wait out b's section and b's next compile too."""
+    lock, log, b_holds = lock_files(tmp_path), tmp_path / "spans", tmp_path / "b-holds"
+    compiling = f"""
+    quiet.hold()
+    open({str(b_holds)!r}, "w").close()
+    span("untimed b", 1.0)
+    with quiet.timed():
+        span("timed b", 0.05)
+    """
+    asking = f"""
+    import os
+    quiet.hold()
+    while not os.path.exists({str(b_holds)!r}):
+        time.sleep(0.01)
+    span("asks d", 0.0)
+    with quiet.timed():
+        span("timed d", 0.05)
+    """
+    b, d = start(compiling, log, lock, "timer"), start(asking, log, lock, "timer")
+    deadline = time.monotonic() + 30
+    while not (log.exists() and "asks d" in log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # d waits for b's compile to end
+    os.kill(d.pid, signal.SIGSTOP)
+    while "untimed b" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # b has asked
+    os.kill(d.pid, signal.SIGCONT)
+    assert [b.wait(timeout=30), d.wait(timeout=30)] == [0, 0]
+    s = spans(log)
+    assert s["timed d"][0][1] <= s["timed b"][0][0], "b timed first, though d asked first"
 
 
 def test_without_the_lock_the_same_processes_overlap(tmp_path):
