@@ -11,9 +11,9 @@ and the sort, histogram and scatter back are kernels of their own. Here nothing 
 The roundings follow `_grouped`'s: gate, up and each expert's output rounded to the weights' dtype, the weighted sum
 in float32. A pair's weights are re-read for each pair that routes to the same expert (through L2 at these sizes).
 
-Staged: `deepseek.Experts` does not call it yet, so no record depends on it; `scripts/bench-moe-decode.py` times it
-against `_grouped` on a GPU (issue 18, MLA + MoE decode). On CPU tensors it runs in Triton's interpreter
-(TRITON_INTERPRET=1), which is how tests/test_moe_decode.py checks it.
+`deepseek.Experts.forward` calls it for a decode step or a verify on a GPU (`available`); `scripts/bench-moe-decode.py`
+times it against `_grouped` per block size. On CPU tensors it runs in Triton's interpreter (TRITON_INTERPRET=1),
+which is how tests/test_moe_decode.py checks it.
 """
 from __future__ import annotations
 
@@ -26,9 +26,12 @@ except ImportError:  # CPU-only torch wheels come without Triton
     triton = None
 
 MAX_PAIRS = 64  # (token, expert) pairs beyond which the grouped GEMM's sorted tiles read the weights fewer times
-BLOCK_I = 16  # intermediate rows per _gate_up program (each reads gate and up rows: 2 x BLOCK_I rows)
-BLOCK_H = 16  # hidden rows per _down program
-BLOCK_K = 256  # reduction width per load
+# The blocks scripts/bench-moe-decode.py found fastest at one token on an H200 and close to the fastest at eight
+# (docs/findings.md, section 19). One set for every token count keeps each token's sums in the same order in a decode
+# step and in a verify.
+BLOCK_I = 8  # intermediate rows per _gate_up program (each reads gate and up rows: 2 x BLOCK_I rows)
+BLOCK_H = 8  # hidden rows per _down program
+BLOCK_K = 512  # reduction width per load
 
 
 def available(x: torch.Tensor, top_k: int) -> bool:
