@@ -11,6 +11,9 @@
 # to the commit the tree was sent at: the copy has no .git, and the records name it. Everything a run wrote that a
 # commit needs (baselines/, docs/runbooks/executed/) and one log per GPU are packed into $OUT/results.tgz, also
 # when the script is cut (TERM: what finished is packed, exit 124); the logs are in $OUT as they are written.
+# With FRESH=1 it first removes what earlier runs on this machine left behind - the installed wheels and the torch,
+# inductor and Triton compile caches - so that the run installs and compiles everything as a newly started machine
+# would (a verify timed in the lease that recorded).
 # Exit: 0 when every command succeeded, else the first failing command's code (each chain still runs to its end).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,11 +21,18 @@ cd "$(dirname "$0")/.."
 [ -n "${SPECBOOK_GIT_COMMIT:-}" ] || { echo "set SPECBOOK_GIT_COMMIT to the commit this tree was sent at" >&2; exit 2; }
 out=${OUT:-/tmp/gpu-runbooks}
 mkdir -p "$out" logs && rm -f logs/gpu*.rc
+tmp=${TMPDIR:-/tmp}
+site=$tmp/site
+
+if [ "${FRESH:-0}" = 1 ]; then
+  rm -rf "$site" "$tmp"/torchinductor_* "$HOME/.triton" "$HOME/.cache/torch" "$HOME/.cache/triton"
+  echo "FRESH=1: removed the installed wheels ($site) and the compile caches"
+fi
 
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
     || { echo "could not install the carried wheels" >&2; exit 3; }
-  export PYTHONPATH=/tmp/site:$PWD
+  export PYTHONPATH=$site:$PWD
 else
   export PYTHONPATH=$PWD
 fi

@@ -73,3 +73,23 @@ def test_a_cut_run_still_packs_what_finished_and_its_log(tmp_path):
     assert p.returncode == 124 and "packing what finished" in err
     got = members(tmp_path)
     assert "baselines/a.yaml" in got and "baselines/b.yaml" not in got and "logs/gpu0.log" in got
+
+
+def test_fresh_removes_what_earlier_runs_left_and_only_then(tmp_path):
+    root, env = tree(tmp_path)
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    left = [tmp / "site" / "pkg.py", tmp / "torchinductor_root" / "fx" / "k.py", home / ".triton" / "cache" / "k",
+            home / ".cache" / "torch" / "kernels" / "k", home / ".cache" / "triton" / "k"]
+    kept = home / ".cache" / "pip" / "k"  # not a compile cache
+    for f in [*left, kept]:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("x")
+    env = {**env, "HOME": str(home), "TMPDIR": str(tmp)}
+    r = subprocess.run(["bash", "scripts/gpu-runbooks.sh", "record a"], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and all(f.exists() for f in left), r.stdout + r.stderr  # only asked for
+    r = subprocess.run(["bash", "scripts/gpu-runbooks.sh", "record a"], cwd=root, env={**env, "FRESH": "1"},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [f for f in left if f.exists()] == [] and kept.exists()
+    assert "FRESH=1: removed" in r.stdout
