@@ -113,28 +113,37 @@ def test_two_timers_take_turns_at_timing_and_share_the_rest(tmp_path):
     assert any(overlaps(u, v) for u in s["untimed a"] for v in s["untimed b"])
 
 
+def compiling_timer(ready: Path, seconds: float) -> str:
+    """Timer b: holds, says so in `ready`, works untimed for `seconds` (a compile), then times a section."""
+    return f"""
+    quiet.hold()
+    open({str(ready)!r}, "w").close()
+    span("untimed b", {seconds})
+    with quiet.timed():
+        span("timed b", 0.05)
+    """
+
+
+def asking_timer(ready: Path, me: str) -> str:
+    """Timer `me`: holds, waits until b holds, then asks to time a section."""
+    return f"""
+    import os
+    quiet.hold()
+    while not os.path.exists({str(ready)!r}):
+        time.sleep(0.01)
+    span("asks {me}", 0.0)
+    with quiet.timed():
+        span("timed {me}", 0.05)
+    """
+
+
 def test_a_timer_waiting_for_another_ones_untimed_work_does_not_stop_the_background(tmp_path):
     """Timer b compiles (untimed, no yield points: a torch.compile or a capture) when timer a asks to time. a waits
     for b to finish that work, and the background goes on meanwhile: a waiting timer does not hold the turnstile, or
     every training step beside it would stop for as long as b's compile lasts."""
     lock, log, ready = lock_files(tmp_path), tmp_path / "spans", tmp_path / "b-holds"
-    compiling = f"""
-    quiet.hold()
-    open({str(ready)!r}, "w").close()
-    span("untimed b", 1.5)
-    with quiet.timed():
-        span("timed b", 0.05)
-    """
-    asking = f"""
-    import os
-    quiet.hold()
-    while not os.path.exists({str(ready)!r}):
-        time.sleep(0.01)
-    span("asks a", 0.0)
-    with quiet.timed():
-        span("timed a", 0.05)
-    """
-    procs = [start(compiling, log, lock, "timer"), start(asking, log, lock, "timer"),
+    procs = [start(compiling_timer(ready, 1.5), log, lock, "timer"),
+             start(asking_timer(ready, "a"), log, lock, "timer"),
              start(BACKGROUND, log, lock, "background", "120")]
     assert [p.wait(timeout=60) for p in procs] == [0, 0, 0]
     s = spans(log)
@@ -148,23 +157,8 @@ def test_timers_time_in_the_order_they_asked(tmp_path):
     stopped from just after it asked until after b asked, so that d cannot win by being quick when b's compile
     ends: the order must come from the lock, or d would wait out b's section and b's next compile too."""
     lock, log, b_holds = lock_files(tmp_path), tmp_path / "spans", tmp_path / "b-holds"
-    compiling = f"""
-    quiet.hold()
-    open({str(b_holds)!r}, "w").close()
-    span("untimed b", 1.0)
-    with quiet.timed():
-        span("timed b", 0.05)
-    """
-    asking = f"""
-    import os
-    quiet.hold()
-    while not os.path.exists({str(b_holds)!r}):
-        time.sleep(0.01)
-    span("asks d", 0.0)
-    with quiet.timed():
-        span("timed d", 0.05)
-    """
-    b, d = start(compiling, log, lock, "timer"), start(asking, log, lock, "timer")
+    b = start(compiling_timer(b_holds, 1.0), log, lock, "timer")
+    d = start(asking_timer(b_holds, "d"), log, lock, "timer")
     deadline = time.monotonic() + 30
     while not (log.exists() and "asks d" in log.read_text()) and time.monotonic() < deadline:
         time.sleep(0.01)
