@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import moe_decode
 from engine.cache import MLACache
 from engine.config import ModelConfig, check_mla
 from engine.errors import EngineError
@@ -180,8 +181,13 @@ class Experts(nn.Module):
                 + self.down_proj[0].numel() * self.down_proj.element_size())
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """x [N, H]; weights, idx [N, k] -> [N, H]."""
-        if torch.is_grad_enabled() or not grouped_mm_ok(x):
+        """x [N, H]; weights, idx [N, k] -> [N, H]. A decode step or a verify (few tokens, on a GPU) runs the
+        matrix-vector kernels of engine/moe_decode.py; more tokens the grouped GEMM; training every expert."""
+        if torch.is_grad_enabled():
+            return self._all_experts(x, weights, idx)
+        if moe_decode.available(x, idx.shape[1]):
+            return moe_decode.routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
+        if not grouped_mm_ok(x):
             return self._all_experts(x, weights, idx)
         return self._grouped(x, weights, idx)
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from engine.deterministic import Deterministic, width_forward
 from engine.drafter import Eagle3Drafter
 from engine.graphs import CapturedCall, GraphSet
-from engine.sampling import SamplingParams, logits_to_probs
+from engine.sampling import SamplingParams, greedy, logits_to_probs
 from engine.tree import TreeShape, accept, ancestors, build_tree, select_nodes, top_children, topk, tree_mask
 
 
@@ -270,9 +270,9 @@ class VerifyRunner:
 
         def settle(tokens, logits, aux, parents, depth, anc, noise):
             if sampling.greedy:
-                choice = logits[0].argmax(-1)
+                choice = greedy(logits[0])
             else:
-                choice = (logits_to_probs(logits[0], sampling) / noise).argmax(-1)  # exponential race
+                choice = greedy(logits_to_probs(logits[0], sampling) / noise)  # exponential race
             count, path, emitted = accept(tokens[0], choice, parents, depth, anc, max_depth)
             ext.feats[:, :m].copy_(aux.index_select(1, path[:m]))
             ext.tokens[0, :m].copy_(emitted[:m])

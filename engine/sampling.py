@@ -2,6 +2,7 @@
 the same code runs inside a captured CUDA graph. Settings are Python numbers fixed per generation."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,12 +19,32 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
+def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x.max(-1): the largest value along the last dim and the first index holding it (NaN counts as largest, as in
+    torch.max). A long row (a vocabulary) is reduced in two passes, within chunks and then across them: a single row
+    reduced in one pass runs on one GPU block, which reads the whole vocabulary alone; chunked, many blocks share
+    the read. The values and indices are the same as x.max(-1)'s."""
+    V = x.shape[-1]
+    chunks = math.gcd(V, 256) if V >= 1 << 14 else 1
+    if chunks < 32:
+        return tuple(x.max(-1))
+    best, col = x.unflatten(-1, (chunks, V // chunks)).max(-1)  # [..., chunks]: each chunk's max, first index
+    value, chunk = best.max(-1, keepdim=True)  # the first chunk holding the row's max
+    index = chunk * (V // chunks) + col.gather(-1, chunk)
+    return value.squeeze(-1), index.squeeze(-1)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...] the first index of the largest logit: logits.argmax(-1), by row_max."""
+    return row_max(logits)[1]
+
+
 def logits_to_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """[..., V] logits -> [..., V] float32 probabilities after temperature, top-k and top-p.
     Greedy gives a one-hot distribution, so rejection sampling reduces to exact matching."""
     logits = logits.float()
     if p.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(greedy(logits), logits.shape[-1]).float()
     logits = logits / p.temperature
     if p.top_k > 0:
         kth = torch.topk(logits, min(p.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
@@ -40,11 +61,11 @@ def logits_to_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Exponential-race sampling (argmax of p / Exp(1)) - equivalent to multinomial, without a host sync."""
     q = torch.empty_like(probs).exponential_(1, generator=generator)
-    return (probs / q).argmax(-1)
+    return greedy(probs / q)
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """[..., V] -> [...] int64 token ids."""
     if p.greedy:
-        return logits.argmax(-1)
+        return greedy(logits)
     return sample_from_probs(logits_to_probs(logits, p), generator)

@@ -44,7 +44,7 @@ from engine.drafter import Eagle3Drafter
 from engine.errors import EngineError
 from engine.graphs import HostCopy
 from engine.runners import CompactRunner, DraftRunner, VerifyRunner
-from engine.sampling import SamplingParams, logits_to_probs, sample_from_probs
+from engine.sampling import SamplingParams, greedy, logits_to_probs, sample_from_probs
 from engine.spec_settings import DEFAULT_STEPS, DEFAULT_TOPK
 from engine.timing import Clock, clock, sync
 from engine.tree import TreeShape
@@ -126,7 +126,7 @@ class SpecDecoder:
             nxt = ids[:, s + 1:e + 1]
             if e == L:
                 first = sample_from_probs(logits_to_probs(logits[0, -1:], sampling), gen) if not sampling.greedy \
-                    else logits[0, -1:].argmax(-1)
+                    else greedy(logits[0, -1:])
                 nxt = torch.cat([nxt, first[None]], dim=1)
             self.draft.extend(feats, nxt, torch.full((1,), e - s, device=self.device))
 

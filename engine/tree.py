@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sampling import row_max
 from engine.spec_settings import DEFAULT_STEPS, DEFAULT_TOPK, SpecSettings, pool_size
 
 
@@ -49,9 +50,13 @@ class TreeShape:
 
 
 def topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x.topk(k) along the last dim; k = 1 as a max. A chain drafts with k = 1, and on CUDA topk over a vocabulary
-    runs a multi-block radix select (several kernels) where a max is one reduction (docs/findings.md, section 7)."""
-    return x.max(-1, keepdim=True) if k == 1 else x.topk(k)
+    """x.topk(k) along the last dim; k = 1 as a max (engine.sampling.row_max). A chain drafts with k = 1, and on
+    CUDA topk over a vocabulary runs a multi-block radix select (several kernels) where a max is a reduction or two
+    (docs/findings.md, section 7)."""
+    if k != 1:
+        return x.topk(k)
+    value, index = row_max(x)
+    return value[..., None], index[..., None]
 
 
 def top_children(beam_scores: torch.Tensor, logprobs: torch.Tensor, k: int

@@ -14,7 +14,7 @@
 # (a chain always drafts and verifies the same number of tokens), and accept length is not what is measured here.
 #
 # ```yaml
-# title: DeepSeek-V3 family (MLA + MoE) - graph vs eager decode, verify of 8 tokens, EAGLE-3 cycle, cache bytes
+# title: DeepSeek-V3 family (MLA + MoE) - graph vs eager decode, verify of 8 tokens, EAGLE-3 cycle, cache bytes, transformers peer
 # reproduces: [decode_tok_s, eager_decode_tok_s, graph_speedup, forward_ms_t1, forward_ms_t8, t8_over_t1,
 #              verify_bytes_over_step, eager_forward_ms_t8, cycle_ms, eager_verify_cycle_ms, cycle_over_decode,
 #              eager_cycle_over_decode, weight_gb, cache_bytes_per_token, cache_ratio, kimi_k2_cache_kib_per_token,
@@ -25,7 +25,7 @@
 #   cpu: {shape: deepseek-v3-tiny, device: cpu, dtype: float32, prompt_len: 16, new_tokens: 24, repeats: 3,
 #         max_seq_len: 128, rel_tol: 0.15}
 #   h200: {shape: deepseek-v3-mini, device: cuda, dtype: bfloat16, prompt_len: 128, new_tokens: 128, repeats: 3,
-#          eager_tokens: 32, max_seq_len: 1024, torch_compile: true, torch_profile: true, rel_tol: 0.15}
+#          eager_tokens: 32, max_seq_len: 1024, torch_compile: true, torch_profile: true, peer: true, rel_tol: 0.15}
 # timeout: 1800
 # cell_timeout: 1200
 # ```
@@ -43,6 +43,7 @@ steps = 7  # EAGLE-3 chain: draft steps per cycle (steps + 1 tokens verified)
 max_seq_len = 128
 torch_compile = False  # also time the decode with the forward through torch.compile inside the graph
 torch_profile = False  # split the fastest decode step's kernel time: matrix, attention, other (the profiler)
+peer = False  # also time transformers' DeepseekV3 generate (static cache) on the same weights: the in-run peer
 rel_tol = 0.15  # floor of the timings' relative tolerance (specbook.record derives it from the samples)
 
 # %%
@@ -64,7 +65,7 @@ if not model.cfg.is_mla:
     raise ValueError(f"shape {shape!r} is not a DeepSeek-V3-family shape")
 r = run_bench(eng, BenchConfig(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, sizes=(1, 8),
                                eager_tokens=eager_tokens or None,
-                               peer=False, compile=torch_compile, torch_profile=torch_profile))
+                               peer=peer, compile=torch_compile, torch_profile=torch_profile))
 print(format_bench(r))
 
 # %% [markdown]
@@ -165,6 +166,11 @@ if "compiled" in r.decode:
     record("compiled_bw_util", c.bw_util, unit="fraction", direction="higher", rel_tol=rel_tol,
            description="compiled decode: bytes of the weights a token reads (active experts only) x tok/s over the "
                        "copy bandwidth")
+if r.peer_tok_s:
+    record("peer_tok_s", r.peer_tok_s, unit="tok/s", direction="higher", rel_tol=rel_tol,
+           description="transformers DeepseekV3 generate, static cache, greedy, same weights and prompt")
+    record("peer_ratio", r.peer_ratio, unit="x", direction="higher", rel_tol=rel_tol,
+           description="our graph decode tok/s over transformers'")
 if r.step_ms:  # where the fastest step's kernel time goes
     for kind in ("matrix", "attention", "other"):
         record(f"step_{kind}_ms", r.step_ms[kind], unit="ms", direction="lower", rel_tol=rel_tol,

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Time the staged MoE decode kernels (engine/moe_decode.py) against the grouped GEMM that deepseek.Experts runs now,
-on a GPU, at the deepseek-v3-mini experts' shapes (issue 18: MLA + MoE decode).
+"""Time the MoE decode kernels (engine/moe_decode.py) per block size, with the down projection whole or split by
+pair, against the grouped GEMM that deepseek.Experts runs for more tokens, on a GPU, at the deepseek-v3-mini
+experts' shapes (issue 18: MLA + MoE decode). The row marked (engine) is what deepseek.Experts runs.
 
     python scripts/bench-moe-decode.py [--tokens 1,8] [--layers 11] [--samples 7] [--json]
 
@@ -8,7 +9,7 @@ Each variant runs as one CUDA graph holding --layers expert calls, each with its
 step, the weights come from HBM, not L2), replayed 20 times per sample; samples of the variants are interleaved, so a
 change of the GPU's clock hits all of them alike. Reports the median microseconds per layer, the bandwidth that
 implies against the bytes of the distinct experts each call reads, and the spread (max/min) of the samples. The
-output is a measurement to decide with, not a record: wiring the kernels into deepseek.Experts is an engine change,
+output is a measurement to decide with, not a record: changing what deepseek.Experts runs is an engine change,
 re-recorded like any other.
 
 Exit: 0 measured; 2 bad arguments; 3 no CUDA device here.
@@ -30,7 +31,9 @@ from engine.deepseek import Experts  # noqa: E402
 from engine.shapes import SHAPES  # noqa: E402
 
 REPLAYS = 20
-CONFIGS = [(16, 16, 256), (32, 16, 256), (16, 32, 128), (8, 8, 512)]  # (block_i, block_h, block_k)
+# (block_i, block_h, block_k, split_down)
+CONFIGS = [(16, 16, 256, False), (16, 32, 128, False), (8, 8, 512, False),
+           (8, 8, 512, True), (8, 16, 512, True), (16, 32, 128, True)]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -94,12 +97,15 @@ def main(argv: list[str]) -> int:
                   for _ in range(a.layers)]
         ws = [torch.rand(n, k, device="cuda", generator=gen) for _ in range(a.layers)]
         read = sum(len(set(r.flatten().tolist())) for r in routes) * expert_bytes / a.layers  # per layer
-        variants = {"grouped GEMM (now)": [lambda x=x, w=w, r=r: ex._grouped(x, w, r)
-                                           for x, w, r in zip(xs, ws, routes)]}
-        for bi, bh, bk in CONFIGS:
-            variants[f"moe_decode {bi}/{bh}/{bk}"] = [
-                lambda x=x, w=w, r=r, bi=bi, bh=bh, bk=bk: moe_decode.routed_experts(
-                    x, w, r, ex.gate_up_proj, ex.down_proj, bi, bh, bk) for x, w, r in zip(xs, ws, routes)]
+        variants = {"grouped GEMM": [lambda x=x, w=w, r=r: ex._grouped(x, w, r) for x, w, r in zip(xs, ws, routes)]}
+        engine = (moe_decode.BLOCK_I, moe_decode.BLOCK_H, moe_decode.BLOCK_K, False)
+        for bi, bh, bk, split in CONFIGS:
+            name = (f"moe_decode {bi}/{bh}/{bk}{' split' if split else ''}"
+                    f"{' (engine)' if (bi, bh, bk, split) == engine else ''}")
+            variants[name] = [
+                lambda x=x, w=w, r=r, bi=bi, bh=bh, bk=bk, split=split: moe_decode.routed_experts(
+                    x, w, r, ex.gate_up_proj, ex.down_proj, bi, bh, bk, split_down=split)
+                for x, w, r in zip(xs, ws, routes)]
         with torch.no_grad():
             want = [ex._grouped(x, w, r).float() for x, w, r in zip(xs, ws, routes)]
             graphs = {name: graph_of(calls) for name, calls in variants.items()}
@@ -119,9 +125,9 @@ def main(argv: list[str]) -> int:
         return 0
     print(f"{a.shape} experts on {torch.cuda.get_device_name()} (torch {torch.__version__}), {a.layers} layers a "
           f"graph, median of {a.samples} interleaved samples")
-    print(f"{'tokens':>6}  {'variant':<24} {'us/layer':>9} {'GB/s':>7} {'spread':>7} {'|diff| vs grouped':>18}")
+    print(f"{'tokens':>6}  {'variant':<35} {'us/layer':>9} {'GB/s':>7} {'spread':>7} {'|diff| vs grouped':>18}")
     for r in rows:
-        print(f"{r['tokens']:>6}  {r['variant']:<24} {r['us_per_layer']:>9.1f} {r['gb_s']:>7.0f} "
+        print(f"{r['tokens']:>6}  {r['variant']:<35} {r['us_per_layer']:>9.1f} {r['gb_s']:>7.0f} "
               f"{r['spread']:>7.3f} {r['max_abs_diff_vs_grouped']:>18.4f}")
     return 0
 

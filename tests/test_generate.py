@@ -8,7 +8,7 @@ from engine.decoding import cut_at_stop
 from engine.errors import EngineError
 from engine.loading import random_model
 from engine.runtime import Engine
-from engine.sampling import SamplingParams, logits_to_probs, sample
+from engine.sampling import SamplingParams, logits_to_probs, row_max, sample
 from engine.target_decoder import TargetDecoder
 
 PROMPT = [5, 9, 200, 31, 7]
@@ -97,6 +97,25 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
     out = logits_to_probs(probs.log(), SamplingParams(temperature=1.0, top_p=0.7))
     assert out[0].tolist() == pytest.approx([0.0, 0.5 / 0.8, 0.0, 0.3 / 0.8])
+
+
+@pytest.mark.parametrize("vocab", [128256, 129280, 32000, 151936, 50257, 1000])
+def test_row_max_gives_max_and_its_first_index_as_torch(vocab):
+    """Chunked (vocabularies with a power-of-two factor) or not: every row's value and first index of the maximum,
+    the maximum planted in the last chunk, twice across a chunk boundary, in a constant row, and as a NaN."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g)
+    x[1, -1] = 9.0  # in the last chunk, last position
+    x[2, 7], x[2, vocab // 2 + 3] = 9.0, 9.0  # a tie: the first wins
+    x[3] = 0.5  # all ties: index 0
+    x[4, vocab // 3] = float("nan")  # NaN counts as the maximum
+    x[5, 0] = float("-inf")
+    for rows in (x, x[:1], x[0], x[:, None]):  # [N, V], [1, V], [V], [N, 1, V]
+        value, index = row_max(rows)
+        want = rows.max(-1)
+        assert index.shape == want.indices.shape and torch.equal(index, want.indices)
+        torch.testing.assert_close(value, want.values, rtol=0, atol=0, equal_nan=True)
+    assert row_max(x)[1][:5].tolist() == [x[0].argmax().item(), vocab - 1, 7, 0, vocab // 3]
 
 
 def test_sampling_frequencies_follow_the_masked_distribution():

@@ -202,3 +202,36 @@ def test_moe_decode_kernels_on_cuda():
             assert torch.equal(out, call())
         compiled = torch.compile(routed_experts, fullgraph=True, dynamic=False)
         assert torch.equal(compiled(x, w, idx, eb.gate_up_proj, eb.down_proj), call())
+
+
+def test_experts_route_few_tokens_through_moe_decode():
+    """deepseek.Experts.forward on a GPU in bf16: a decode step and a verify of 8 run engine/moe_decode.py (its
+    output, to the bit, and each token's output the same whatever the batch), a prefill the grouped GEMM, and
+    training every expert."""
+    from engine.deepseek import Experts
+    from engine.moe_decode import MAX_PAIRS, routed_experts
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    E, H, I, k = 64, 2048, 1408, 6
+    eb = Experts(E, H, I).cuda().bfloat16()
+    with torch.no_grad():
+        eb.gate_up_proj.normal_(0, H ** -0.5, generator=g)
+        eb.down_proj.normal_(0, I ** -0.5, generator=g)
+
+    def inputs(n):
+        idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:k] for _ in range(n)])
+        x = torch.randn(n, H, device="cuda", generator=g).bfloat16()
+        return x, torch.rand(n, k, device="cuda", generator=g), idx
+
+    with torch.no_grad():
+        x, w, idx = inputs(8)
+        out8 = eb(x, w, idx)
+        assert torch.equal(out8, routed_experts(x, w, idx, eb.gate_up_proj, eb.down_proj))
+        for i in range(8):  # batch-invariant: a token alone gives the same bits as in a verify of 8
+            assert torch.equal(eb(x[i:i + 1], w[i:i + 1], idx[i:i + 1]), out8[i:i + 1])
+        n = MAX_PAIRS // k + 1  # past the kernels' limit: the grouped GEMM
+        x, w, idx = inputs(n)
+        assert torch.equal(eb(x, w, idx), eb._grouped(x, w, idx))
+    x, w, idx = inputs(2)
+    with torch.enable_grad():
+        assert torch.equal(eb(x, w, idx), eb._all_experts(x, w, idx))

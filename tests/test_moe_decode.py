@@ -44,6 +44,9 @@ for E, H, I, k, N, blocks in [(8, 96, 40, 3, 1, (16, 16, 32)), (8, 96, 40, 3, 5,
         want = truth._all_experts(xb.float(), w, idx)
         got = routed_experts(xb, w, idx, eb.gate_up_proj, eb.down_proj, *blocks).float()
         out[f"bf16 {E},{H},{I},{k},{N}"] = (got - want).abs().max().item() / want.abs().max().item()
+        # the down projection split by pair, then summed: the same roundings in the same order
+        split = routed_experts(xb, w, idx, eb.gate_up_proj, eb.down_proj, *blocks, split_down=True).float()
+        out[f"split {E},{H},{I},{k},{N}"] = (split - got).abs().max().item()
         # the same call with one slot's expert swapped must not agree: the check above can fail
         wrong, w1 = idx.clone(), w.clone()
         wrong[0, 0] = next(e for e in range(E) if e not in idx[0].tolist())
@@ -78,3 +81,8 @@ def test_moe_decode_in_bf16_stays_within_a_few_roundings(errors):
 def test_a_wrong_expert_is_caught(errors):
     swapped = {k: v for k, v in errors.items() if k.startswith("swapped")}
     assert len(swapped) == 4 and min(swapped.values()) > 0.05, swapped
+
+
+def test_the_split_down_projection_gives_the_same_bits(errors):
+    split = {k: v for k, v in errors.items() if k.startswith("split")}
+    assert len(split) == 4 and max(split.values()) == 0.0, split
