@@ -3,7 +3,7 @@
 A recorded number is in exactly one state:
 
 - re-measured by this command: **fresh** (within tolerance; a noisy number with changed inputs only when the
-  interleaved measurements against the recorded commit's engine say so too), **drifted** (outside it; a noisy number
+  paired measurements against the recorded commit's engine say so too), **drifted** (outside it; a noisy number
   only when two of three measurements against the recorded commit's engine say so), **moved** (a noisy number outside tolerance with
   the code and parameters as recorded, or an exact one that differs on another kind of processor or GPU than it was
   recorded on: the machine or environment moved, not the code; exit 0, but shown),
@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from specbook import RunFailed, SpecbookError, parallel, project, provenance, records
+from specbook import RunFailed, SpecbookError, parallel, project, provenance, records, sidebyside
 from specbook.execute import EXECUTED, Target, notebook_seconds, run, target
 from specbook.parallel import SHARE, Job, estimate, schedule, sharing, verify_child
 from specbook.provenance import canonical, sha
@@ -462,12 +462,14 @@ def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], now: dic
     unchanged) the code cannot explain a drift: MOVED at once (the machine or its environment; exit 0, shown with
     the value and whether the record was made on another kind of machine, other_machine). More runs could only
     choose between moved and fresh, and on 2 cores or a lent GPU each costs minutes. With changed inputs there are
-    three measurements, interleaved against the engine the number was recorded with, as asv's continuous mode
-    compares two commits: the recorded commit's tree (A) and this one (B), A B three times on this machine now, and
-    each pair's ratio B/A is a vote against the tolerance: a majority outside it in one direction -> drifted, a
-    majority inside -> fresh (the machine's factor is noted). No majority -> flaky, which fails as drift does.
-    Without git history, B runs twice more against the record. The last run is skipped when the runs before it
-    already agree (_settled)."""
+    three measurements against the engine the number was recorded with, as asv's continuous mode compares two
+    commits: the recorded commit's tree (A) and this one (B), three pairs on this machine now, and each pair's ratio
+    B/A is a vote against the tolerance: a majority outside it in one direction -> drifted, a majority inside ->
+    fresh (the machine's factor is noted). No majority -> flaky, which fails as drift does. Without GPUs the pairs
+    run side by side (specbook.sidebyside: a shared CPU's pace moves within a minute, by more than a tolerance, and
+    runs one after another would compare two moments); with GPUs, A B in turn (two runs on one GPU would time each
+    other's kernels), and the last pair is skipped when the two before it already agree (_settled). Without git
+    history, B runs twice more against the record."""
     name, profile = t.rb.name, t.profile
     run = records.run_of(prof, prof["metrics"][drifted[0].metric]["run"])
     commit = (run.get("provenance") or {}).get("git_commit")
@@ -488,21 +490,27 @@ def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], now: dic
             ta = target(a_root, name, profile)
         except SpecbookError as e:
             log(f"{name} ({profile}): the recorded commit cannot run it ({e}); measuring against the record")
-    how = (f"interleaved with the recorded commit {commit[:10]} (A B, three times)" if ta else
+    side = ta is not None and side_by_side_here()
+    how = (f"side by side with the recorded commit {commit[:10]} (two streams of three runs)" if side else
+           f"interleaved with the recorded commit {commit[:10]} (A B, three times)" if ta else
            "twice more against the record")
     outside = sum(v.state == DRIFTED for v in drifted)
     log(f"{name} ({profile}): the code or parameters changed since the record ({outside} of {len(drifted)} noisy "
         f"number(s) outside tolerance); measuring {how}")
     pairs: list[tuple[dict | None, dict | None]] = []
-    with parallel.exclusive() if ta else contextlib.nullcontext():  # the recorded engine may not keep the lock
-        for _ in range(3 if ta else 2):
-            a = _measure_or_none(a_root, ta, progress, log) if ta else None
-            pairs.append((a, _measure_or_none(root, t, progress, log)))
-            if len(pairs) == (2 if ta else 1) and all(_settled(v, prof["metrics"][v.metric], pairs) for v in drifted):
-                log(f"{name} ({profile}): the runs so far agree; one more could not change the verdict")
-                break
+    if side:
+        pairs = sidebyside.pairs((a_root, root), name, profile, 3, log)
+    else:
+        with parallel.exclusive() if ta else contextlib.nullcontext():  # the recorded engine may not keep the lock
+            for _ in range(3 if ta else 2):
+                a = _measure_or_none(a_root, ta, progress, log) if ta else None
+                pairs.append((a, _measure_or_none(root, t, progress, log)))
+                if len(pairs) == (2 if ta else 1) and \
+                        all(_settled(v, prof["metrics"][v.metric], pairs, ta is not None) for v in drifted):
+                    log(f"{name} ({profile}): the runs so far agree; one more could not change the verdict")
+                    break
     for v in drifted:
-        _rejudge(v, prof["metrics"][v.metric], pairs)
+        _rejudge(v, prof["metrics"][v.metric], pairs, ta is not None, "side by side" if side else "interleaved")
 
 
 def _exact_elsewhere(root: Path, t: Target, prof: dict, drifted: list[Verdict], now: dict[str, Any],
@@ -547,13 +555,23 @@ def _exact_elsewhere(root: Path, t: Target, prof: dict, drifted: list[Verdict], 
         v.detail = f"{v.detail}; {where}; this tree's value {same} the recorded commit's here ({a[v.metric]:.6g})"
 
 
-def _settled(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None]]) -> bool:
+def side_by_side_here() -> bool:
+    """Whether A and B run side by side here (see _confirm): on a machine without GPUs."""
+    return not provenance.gpus()
+
+
+def _missing(v: Verdict, pairs: list[tuple[dict | None, dict | None]], against_a: bool) -> bool:
+    """Whether a confirming run failed or did not record v's number."""
+    return any(b is None or v.metric not in b or against_a and (a is None or v.metric not in a) for a, b in pairs)
+
+
+def _settled(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None]], against_a: bool) -> bool:
     """Whether the measurements so far decide v's verdict whatever the last run would give: two of three on the
     same side of the tolerance (against the record: the first run and one more; interleaved: two pairs' ratios).
     A failed run decides too (flaky)."""
-    if any(b is None or v.metric not in b or a is not None and v.metric not in a for a, b in pairs):
+    if _missing(v, pairs, against_a):
         return True
-    if pairs[0][0] is None:
+    if not against_a:
         votes = [drift(entry, x) for x in (v.measured, *(b[v.metric] for _, b in pairs))]
         return len(votes) >= 3 or votes[0] is not None and votes.count(votes[0]) >= 2
     reference = {"value": 1.0, "direction": entry["direction"], "tolerance": {"rel": entry["tolerance"]["rel"]}}
@@ -577,14 +595,15 @@ def _majority(votes: list[str | None]) -> tuple[bool, str | None]:
     return False, None
 
 
-def _rejudge(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None]]) -> None:
-    """The verdict of one drifted noisy number from its confirming runs (see _confirm)."""
-    if any(b is None or v.metric not in b for _, b in pairs) or \
-            any(a is not None and v.metric not in a for a, _ in pairs):
+def _rejudge(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None]], against_a: bool,
+             how: str = "interleaved") -> None:
+    """The verdict of one drifted noisy number from its confirming runs (see _confirm); `against_a`: the pairs hold
+    the recorded commit's runs (A), measured `how`."""
+    if _missing(v, pairs, against_a):
         v.state, v.detail = FLAKY, "a confirming run failed or did not record it"
         return
     first = v.measured
-    if pairs[0][0] is None:  # against the record
+    if not against_a:
         values = [first, *(b[v.metric] for _, b in pairs)]
         v.measured = statistics.median(values)  # of two runs that agree, or of three
         v.detail = f"measured {', '.join(f'{x:.6g}' for x in values)}; recorded {v.recorded:.6g}"
@@ -595,7 +614,7 @@ def _rejudge(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None
         votes = [drift(reference, r) for r in ratios]
         machine = statistics.median(a[v.metric] for a, _ in pairs) / v.recorded if v.recorded else float("nan")
         v.measured = statistics.median(b[v.metric] for _, b in pairs)
-        v.detail = (f"this engine / recorded engine, interleaved: {', '.join(f'{r:.3g}' for r in ratios)}; the "
+        v.detail = (f"this engine / recorded engine, {how}: {', '.join(f'{r:.3g}' for r in ratios)}; the "
                     f"recorded engine measures {machine:.3g}x its record on this machine now (first run {first:.6g})")
     agreed, vote = _majority(votes)
     if not agreed:

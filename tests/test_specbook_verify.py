@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from specbook import provenance, records
+from specbook import verify as verify_module
 from specbook.execute import target
 from specbook.provenance import canonical, sha
 from specbook.record import Metric
@@ -223,22 +224,55 @@ SPEED_RUNBOOK = runbook_text(body="""
 """)
 
 
+@pytest.mark.parametrize("gpu", [False, True])
 @pytest.mark.parametrize("engine_ms,machine,state", [
     ("2.0", "1", DRIFTED),  # the engine got slower: this tree against the recorded commit's, three times
     ("1.0  # refactored", "2", FRESH),  # the engine changed, the machine got slower: the recorded engine is too
 ])
 def test_a_drifted_noisy_number_is_judged_against_the_recorded_commit(tmp_path, monkeypatch, engine_ms, machine,
-                                                                       state):
+                                                                       state, gpu):
     root = recorded_in_git(tmp_path, "speed", SPEED_RUNBOOK, "MS = 1.0\n")
     (root / "engine" / "speed.py").write_text(f"MS = {engine_ms}\n")
     monkeypatch.setenv("MACHINE_FACTOR", machine)
+    monkeypatch.setattr(verify_module, "side_by_side_here", lambda: not gpu)
     logged = []
     [v] = verify(root, "cpu", progress=False, log=logged.append)
-    assert any("interleaved with the recorded commit" in m for m in logged)
+    how = "interleaved" if gpu else "side by side"
+    assert any(f"{how} with the recorded commit" in m for m in logged), logged
     assert v.state == state, v.detail
     assert f"recorded engine measures {float(machine):.3g}x its record" in v.detail
-    if state == DRIFTED:
-        assert v.change == "regression" and "interleaved: 2, 2;" in v.detail  # two pairs agree: no third
+    if state == DRIFTED:  # in turn, two pairs that agree make a third moot; side by side all three run at once
+        assert v.change == "regression" and f"{how}: {'2, 2' if gpu else '2, 2, 2'};" in v.detail
+
+
+TIMED_RUNBOOK = runbook_text(body="""
+    import os, time
+    from engine.speed import MS
+    start = time.time()
+    time.sleep(0.6)
+    with open(os.environ["RUN_LOG"], "a") as f:
+        f.write(f"{os.getcwd()} {start} {time.time()}\\n")
+    record("x", MS, unit="ms", direction="lower", rel_tol=0.1)
+""")
+
+
+def test_side_by_side_the_recorded_commit_and_this_tree_run_at_once(tmp_path, monkeypatch):
+    """What makes the pairs robust to a shared CPU's pace: A's k-th run and B's k-th run overlap in time, and each
+    tree's runs follow each other (its stream stays busy)."""
+    runs = tmp_path / "runs.log"
+    monkeypatch.setenv("RUN_LOG", str(runs))
+    root = recorded_in_git(tmp_path / "repo", "speed", TIMED_RUNBOOK, "MS = 1.0\n")
+    (root / "engine" / "speed.py").write_text("MS = 2.0\n")
+    monkeypatch.setattr(verify_module, "side_by_side_here", lambda: True)
+    [v] = verify(root, "cpu", progress=False, log=lambda m: None)
+    assert (v.state, v.change) == (DRIFTED, "regression"), v.detail
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for line in runs.read_text().splitlines()[2:]:  # after the recording run and verify's first run of this tree
+        where, start, end = line.rsplit(" ", 2)
+        spans.setdefault("B" if Path(where) == root else "A", []).append((float(start), float(end)))
+    assert len(spans["A"]) == len(spans["B"]) == 3, spans
+    for (a0, a1), (b0, b1) in zip(spans["A"], spans["B"]):
+        assert a0 < b1 and b0 < a1, spans  # the k-th runs overlap
 
 
 @pytest.mark.parametrize("engine_ms,state", [
@@ -250,10 +284,11 @@ def test_with_changed_code_a_timing_within_tolerance_is_judged_against_the_recor
     monkeypatch.setenv("MACHINE_FACTOR", "2")  # recorded while the machine ran at half its pace
     root = recorded_in_git(tmp_path, "speed", SPEED_RUNBOOK, "MS = 1.0\n")
     monkeypatch.setenv("MACHINE_FACTOR", "1")
+    monkeypatch.setattr(verify_module, "side_by_side_here", lambda: True)
     (root / "engine" / "speed.py").write_text(f"MS = {engine_ms}\n")
     logged = []
     [v] = verify(root, "cpu", progress=False, log=logged.append)
-    assert any("interleaved with the recorded commit" in m for m in logged), logged
+    assert any("side by side with the recorded commit" in m for m in logged), logged
     assert v.state == state, v.detail
     assert exit_code([v]) == (1 if state == DRIFTED else 0)
 

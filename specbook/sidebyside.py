@@ -1,0 +1,92 @@
+"""Two trees' runs of one runbook side by side: how `verify` compares this tree with the recorded commit on a machine
+without GPUs.
+
+A shared CPU's pace moves by more than a timing's tolerance within a minute (other tenants of the host, its memory
+traffic), so runs made one after another - A, then B - compare two moments as well as two engines. Here each tree
+gets one child process that runs the runbook `runs` times back to back, and the two children start together: both
+streams are busy from the first run to the last, so whatever the machine does meanwhile falls on both alike. Pair k
+is the two streams' k-th runs. (On a GPU the two would share the device and each time the other's kernels: verify
+interleaves one run at a time there.)
+
+`python -m specbook.sidebyside ROOT NAME PROFILE RUNS` is one stream: one JSON line per run on stdout,
+`{"metrics": {name: value}}` or `{"error": "..."}`, its log on stderr.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Callable
+
+from specbook import RunFailed, SpecbookError
+
+Metrics = dict[str, float]
+
+
+def pairs(trees: tuple[Path, Path], name: str, profile: str, runs: int,
+          log: Callable[[str], None]) -> list[tuple[Metrics | None, Metrics | None]]:
+    """`runs` pairs (A's k-th run, B's k-th run) of runbook `name` on `profile`, A = trees[0]; None for a run that
+    failed (its reason logged)."""
+    results: dict[str, list[Metrics | None]] = {"A": [], "B": []}
+    children = {tag: subprocess.Popen([sys.executable, "-m", "specbook.sidebyside", str(tree), name, profile,
+                                       str(runs), tag], stdout=subprocess.PIPE, text=True)
+                for tag, tree in zip("AB", trees)}
+
+    def read(tag: str) -> None:
+        for line in children[tag].stdout:
+            try:
+                got = json.loads(line)
+            except ValueError:
+                continue  # not a result line (a stray print of the run's own code)
+            if not isinstance(got, dict):
+                continue
+            results[tag].append(got.get("metrics"))
+            k = len(results[tag])
+            log(f"{name} ({profile}): {tag} run {k} of {runs} " +
+                ("done" if got.get("metrics") is not None else f"failed: {got.get('error')}"))
+
+    readers = [threading.Thread(target=read, args=(tag,), daemon=True) for tag in children]
+    try:
+        for r in readers:
+            r.start()
+        for tag, child in children.items():
+            if child.wait() != 0 and len(results[tag]) < runs:
+                log(f"{name} ({profile}): the {tag} stream exited {child.returncode} after "
+                    f"{len(results[tag])} of {runs} runs")
+        for r in readers:
+            r.join()
+    finally:
+        for child in children.values():  # an interrupt of verify: the children got it too (same process group)
+            if child.poll() is None:
+                child.kill()
+    a, b = ([*results[t], *[None] * runs][:runs] for t in "AB")
+    return list(zip(a, b))
+
+
+def main(argv: list[str]) -> int:
+    from specbook.execute import run, target  # imports the notebook machinery: only the child needs it
+
+    root, name, profile, runs, tag = Path(argv[0]), argv[1], argv[2], int(argv[3]), argv[4]
+
+    def log(msg: str) -> None:
+        print(f"[{tag}] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        t = target(root, name, profile)
+    except SpecbookError as e:
+        print(json.dumps({"error": str(e)}), flush=True)
+        return e.exit_code
+    for _ in range(runs):
+        try:
+            outcome = run(root, t, record=False, fresh=True, progress=False, log=log)[-1]
+            line = {"metrics": {m.name: m.value for m in outcome.execution.metrics}}
+        except RunFailed as e:
+            line = {"error": str(e)}
+        print(json.dumps(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
