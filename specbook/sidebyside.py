@@ -3,10 +3,13 @@ without GPUs.
 
 A shared CPU's pace moves by more than a timing's tolerance within a minute (other tenants of the host, its memory
 traffic), so runs made one after another - A, then B - compare two moments as well as two engines. Here each tree
-gets one child process that runs the runbook `runs` times back to back, and the two children start together: both
-streams are busy from the first run to the last, so whatever the machine does meanwhile falls on both alike. Pair k
-is the two streams' k-th runs. (On a GPU the two would share the device and each time the other's kernels: verify
-interleaves one run at a time there.)
+gets one child process that runs the runbook `runs` times back to back, and the two children start together, so
+whatever the machine does meanwhile falls on both alike. Pair k is the two streams' k-th runs. Where the project's
+engine keeps the timing lock (`[tool.specbook] timing_lock`, specbook.parallel) both streams' kernels are timers on
+one lock: a timed section starts once the other stream waits to time too, and the two take turns, so A's and B's
+measurements of one thing follow each other within seconds, and neither times while the other works. Without the
+lock the streams run free. (On a GPU verify keeps to one run at a time: the recorded commit's engine may not keep
+the lock there, and two runs on one GPU would time each other's kernels.)
 
 `python -m specbook.sidebyside ROOT NAME PROFILE RUNS` is one stream: one JSON line per run on stdout,
 `{"metrics": {name: value}}` or `{"error": "..."}`, its log on stderr.
@@ -14,13 +17,14 @@ interleaves one run at a time there.)
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
 from typing import Callable
 
-from specbook import RunFailed, SpecbookError
+from specbook import RunFailed, SpecbookError, parallel, project
 
 Metrics = dict[str, float]
 
@@ -30,8 +34,13 @@ def pairs(trees: tuple[Path, Path], name: str, profile: str, runs: int,
     """`runs` pairs (A's k-th run, B's k-th run) of runbook `name` on `profile`, A = trees[0]; None for a run that
     failed (its reason logged)."""
     results: dict[str, list[Metrics | None]] = {"A": [], "B": []}
+    env = dict(os.environ)
+    if project.settings(trees[1]).timing_lock:  # the engine keeps the timing lock: timed sections take turns
+        lock = trees[1] / ".specbook" / "sidebyside.lock"
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        env.update({parallel.TIMING_LOCK_ENV: str(lock), parallel.TIMING_ROLE_ENV: "timer"})
     children = {tag: subprocess.Popen([sys.executable, "-m", "specbook.sidebyside", str(tree), name, profile,
-                                       str(runs), tag], stdout=subprocess.PIPE, text=True)
+                                       str(runs), tag], stdout=subprocess.PIPE, text=True, env=env)
                 for tag, tree in zip("AB", trees)}
 
     def read(tag: str) -> None:
@@ -69,6 +78,7 @@ def main(argv: list[str]) -> int:
     from specbook.execute import run, target  # imports the notebook machinery: only the child needs it
 
     root, name, profile, runs, tag = Path(argv[0]), argv[1], argv[2], int(argv[3]), argv[4]
+    parallel.adopt_timing_lock()  # for the runbooks' kernels, as a child of verify on a GPU
 
     def log(msg: str) -> None:
         print(f"[{tag}] {msg}", file=sys.stderr, flush=True)
