@@ -25,7 +25,7 @@ EXIT_CODES = """\b
 States of a recorded number (the same words everywhere):
   fresh     re-measured here within tolerance
   drifted   re-measured here outside tolerance (a noisy number: by two of three runs
-            interleaved with the recorded commit's engine)
+            paired with the recorded commit's engine)
   moved     outside tolerance with the code as recorded: a timing, or an exact number on
             another kind of processor or GPU; the machine or its environment moved it
             (shown, exit 0)
@@ -431,7 +431,8 @@ def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str |
             gpus: str, plan_only: bool, as_json: bool) -> None:
     """Re-run what can run here and judge each number against its record: a noisy one (a timing) within its
     tolerance (derived from the recorded samples, at most 25%; outside it, two of three measurements decide, and
-    with changed code they run interleaved with the recorded commit's engine), an exact one to within 0.1%."""
+    with changed code they are paired with the recorded commit's engine: side by side without GPUs, in turn on a
+    GPU), an exact one to within 0.1%."""
     root = obj.root
     here = provenance.detect_profile()
     if plan_only:

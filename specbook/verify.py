@@ -399,7 +399,7 @@ def changed_code(prof: dict, v: Verdict, t: Target) -> bool:
     """Whether v's number was recorded with other inputs than this tree's (code, parameters, upstream records). A
     timing within tolerance of such a record is no evidence that the code did not slow down: the machine's pace moves
     by more than a tolerance between hours and loads (a record made in a slow hour hid a planted 2x slowdown), so it is
-    judged by the interleaved runs against the recorded commit (_confirm), as one outside tolerance is."""
+    judged by the paired runs against the recorded commit (_confirm), as one outside tolerance is."""
     return records.run_of(prof, prof["metrics"][v.metric]["run"]).get("inputs_hash") != t.inputs_hash
 
 

@@ -245,6 +245,27 @@ def test_a_drifted_noisy_number_is_judged_against_the_recorded_commit(tmp_path, 
         assert v.change == "regression" and f"{how}: {'2, 2' if gpu else '2, 2, 2'};" in v.detail
 
 
+FAILS_AS_A = runbook_text(body="""
+    import os
+    from engine.speed import MS
+    assert "/.specbook/ab/" not in os.getcwd(), "the recorded commit's tree cannot run here"
+    record("x", MS, unit="ms", direction="lower", rel_tol=0.1)
+""")
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_a_failed_run_of_the_recorded_commit_makes_a_changed_timing_flaky(tmp_path, monkeypatch, gpu):
+    """Not a verdict against the record in its place: the pairs are what the number is judged by."""
+    root = recorded_in_git(tmp_path, "speed", FAILS_AS_A, "MS = 1.0\n")
+    (root / "engine" / "speed.py").write_text("MS = 2.0\n")
+    monkeypatch.setattr(verify_module, "side_by_side_here", lambda: not gpu)
+    logged = []
+    [v] = verify(root, "cpu", progress=False, log=logged.append)
+    assert (v.state, v.detail) == (FLAKY, "a confirming run failed or did not record it"), logged
+    assert any("cannot run here" in m for m in logged), logged
+    assert exit_code([v]) == 1
+
+
 TIMED_RUNBOOK = runbook_text(body="""
     import os, time
     from engine.speed import MS
