@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from specbook import RunFailed, SpecbookError, parallel, project
+from specbook import SpecbookError, parallel, project
 
 Metrics = dict[str, float]
 
@@ -92,7 +92,7 @@ def main(argv: list[str]) -> int:
         try:
             outcome = run(root, t, record=False, fresh=True, progress=False, log=log)[-1]
             line = {"metrics": {m.name: m.value for m in outcome.execution.metrics}}
-        except RunFailed as e:
+        except SpecbookError as e:  # RunFailed, or the run could not start (its outputs, a dependency)
             line = {"error": str(e)}
         print(json.dumps(line), flush=True)
     return 0
