@@ -176,6 +176,12 @@ KERNEL_KINDS = (("attention", re.compile(r"attention|fmha|flash|softmax|splitkv"
                 ("matrix", re.compile(r"gemm|gemv|xmma|nvjet|cublas|cutlass|splitKreduce|aten::(mm|addmm|bmm)$", re.I)))
 
 
+def kernel_kind(name: str) -> str:
+    """A profiled kernel's (or CPU op's) kind by its name: attention, matrix (cuBLAS, CUTLASS and the engine's own
+    matrix-vector kernels, named `_gemv_*`), or other."""
+    return next((kind for kind, rx in KERNEL_KINDS if rx.search(name)), "other")
+
+
 def profile_decode(gen: TargetDecoder, prompt: list[int], steps: int = 16,
                    rows: int = 25) -> tuple[str, dict[str, float]]:
     """Kernel-level table of `steps` decode steps of `gen` (replays of its graph on CUDA: the profiler sees the
@@ -198,7 +204,7 @@ def profile_decode(gen: TargetDecoder, prompt: list[int], steps: int = 16,
     for e in events:  # on CUDA only the kernels themselves (ops would count their kernels twice); on CPU the ops
         if cuda and e.device_type != DeviceType.CUDA:
             continue
-        kind = next((k for k, rx in KERNEL_KINDS if rx.search(e.key)), "other")
+        kind = kernel_kind(e.key)
         per_step[kind] += (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1000 / steps
         per_step["kernels"] += e.count / steps
     return f"{steps} decode steps\n" + events.table(sort_by=sort, row_limit=rows), per_step

@@ -150,19 +150,43 @@ class Router(nn.Module):
         return super()._apply(keep_fp32, recurse)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H] -> weights [N, k] float32, expert ids [N, k]."""
+        """x [N, H] -> weights [N, k] float32, expert ids [N, k], largest choice score first."""
         scores = F.linear(x.float(), self.weight).sigmoid()
         choice = scores + self.e_score_correction_bias
-        E = choice.shape[-1]
-        group_scores = choice.view(-1, self.n_group, E // self.n_group).topk(2, dim=-1)[0].sum(-1)
-        group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
-        expert_mask = group_mask[:, :, None].expand(-1, -1, E // self.n_group).reshape(-1, E)
-        idx = choice.masked_fill(~expert_mask, float("-inf")).topk(self.top_k, dim=-1, sorted=False)[1]
+        select = self.select_by_ranks if torch.compiler.is_compiling() else self.select_by_topk
+        idx = select(choice)
         weights = scores.gather(1, idx)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return weights * self.scaling, idx
+
+    def select_by_topk(self, choice: torch.Tensor) -> torch.Tensor:
+        """Grouped top-k by torch.topk: the best groups by their two best scores, then the best experts in them."""
+        N, E = choice.shape
+        group_scores = choice.view(N, self.n_group, E // self.n_group).topk(2, dim=-1)[0].sum(-1)
+        group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0).bool()
+        expert_mask = group_mask[:, :, None].expand(-1, -1, E // self.n_group).reshape(N, E)
+        return choice.masked_fill(~expert_mask, float("-inf")).topk(self.top_k, dim=-1, sorted=True)[1]
+
+    def select_by_ranks(self, choice: torch.Tensor) -> torch.Tensor:
+        """The same selection by ranks (engine.deepseek.ranks), which torch.compile fuses into the ops around it;
+        torch.topk stays a radix select of several kernels of its own, three calls in every MoE layer of a step.
+        The same ids in the same order as select_by_topk wherever the scores differ (ties: the lower index)."""
+        N, E = choice.shape
+        groups = choice.view(N, self.n_group, E // self.n_group)
+        group_scores = torch.where(ranks(groups) < 2, groups, 0.0).sum(-1)  # a + b exactly, as topk(2)'s sum
+        keep = (ranks(group_scores) < self.topk_group)[:, :, None].expand_as(groups).reshape(N, E)
+        place = ranks(choice.masked_fill(~keep, float("-inf")))
+        return (place[:, None, :] == torch.arange(self.top_k, device=choice.device)[:, None]).int().argmax(-1)
+
+
+def ranks(x: torch.Tensor) -> torch.Tensor:
+    """Each element's place along the last dim, 0 for the largest, ties to the lower index: a compare of every pair
+    and a sum (rows of tens to hundreds of experts)."""
+    i = torch.arange(x.shape[-1], device=x.device)
+    a, b = x[..., :, None], x[..., None, :]  # a: the element, b: every element of its row
+    return ((b > a) | ((b == a) & (i[None, :] < i[:, None]))).sum(-1)
 
 
 class Experts(nn.Module):

@@ -399,3 +399,39 @@ def test_decode_traces_as_one_graph(dtype):
     compiled = torch.compile(m, fullgraph=True, dynamic=False, backend="eager")
     got = compiled(torch.tensor([[4]]), torch.tensor([3]))[0]
     torch.testing.assert_close(got, m(torch.tensor([[4]]), torch.tensor([3]))[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("experts,groups,topk_group,k", [(64, 8, 4, 6), (16, 4, 2, 3), (256, 8, 4, 8)])
+def test_router_selects_the_same_experts_by_ranks_as_by_topk(experts, groups, topk_group, k):
+    """The ranks' selection (what torch.compile runs) against torch.topk's (eager): the same ids in the same order,
+    largest first, on random scores and on scores with a planted near-tie; ties go to the lower index."""
+    cfg = tiny(n_routed_experts=experts, n_group=groups, topk_group=topk_group, num_experts_per_tok=k)
+    router = deepseek.Router(cfg)
+    g = torch.Generator().manual_seed(experts)
+    choice = torch.rand(32, experts, generator=g)
+    choice[0, 1] = torch.nextafter(choice[0, 0], torch.tensor(2.0))  # one ulp apart
+    by_topk, by_ranks = router.select_by_topk(choice), router.select_by_ranks(choice)
+    assert by_ranks.dtype == by_topk.dtype and torch.equal(by_ranks, by_topk)
+    assert (choice.gather(1, by_ranks).diff(dim=1) <= 0).all()  # largest first
+    tied = router.select_by_ranks(torch.full((1, experts), 0.5))
+    assert tied[0].tolist() == list(range(k))  # all groups tie: the first groups, their first experts
+
+
+def test_ranks_place_every_element_as_a_descending_sort_would():
+    x = torch.randn(5, 3, 40, generator=torch.Generator().manual_seed(0))
+    x[0, 0, 7] = x[0, 0, 3]  # a tie: the lower index first
+    want = torch.empty_like(x, dtype=torch.long).scatter_(-1, x.argsort(dim=-1, descending=True, stable=True),
+                                                          torch.arange(40).expand_as(x))
+    assert torch.equal(deepseek.ranks(x), want)
+
+
+def test_compiled_router_gives_the_eager_routers_ids_and_weights():
+    cfg = tiny(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3)
+    router = deepseek.Router(cfg)
+    torch.nn.init.normal_(router.weight, std=0.5, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        eager = router(x)
+        compiled = torch.compile(router, fullgraph=True, dynamic=False)(x)
+    assert torch.equal(compiled[1], eager[1])
+    torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=0)

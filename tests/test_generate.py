@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from engine.bench import BenchConfig, format_bench, run_bench
+from engine import moe_decode
+from engine.bench import BenchConfig, format_bench, kernel_kind, run_bench
 from engine.config import ModelConfig
 from engine.decoding import cut_at_stop
 from engine.errors import EngineError
@@ -146,6 +147,17 @@ def test_engine_facade_streams_chunks_and_generates():
         Engine.load(max_seq_len=64)
 
 
+def test_profile_counts_the_engines_own_matrix_kernels_as_matrix_work():
+    """The step's split by kind: the routed experts' Triton kernels are matrix-vector products, their weighted sum
+    is not; cuBLAS, the split-KV attention and inductor's fused elementwise kernels as before."""
+    experts = [moe_decode._gemv_gate_up, moe_decode._gemv_down, moe_decode._gemv_down_pair]
+    assert [kernel_kind(k.__name__) for k in experts] == ["matrix"] * 3
+    assert kernel_kind(moe_decode._combine.__name__) == "other"
+    assert kernel_kind("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT") == "matrix"
+    assert kernel_kind("_splitkv_partial") == "attention"
+    assert kernel_kind("triton_poi_fused__unsafe_view_mul_silu_split_5") == "other"
+
+
 def test_bench_reports_a_failed_compile_and_keeps_the_other_numbers(monkeypatch):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("inductor unavailable\ndetails")
@@ -215,3 +227,26 @@ def test_compiled_decode_compiles_one_layer_for_the_whole_stack():
     assert compiled == eager
     assert "_compiled_layers" not in model.state_dict() and len(model.state_dict()) == len(
         random_model(model.cfg).state_dict())  # the wrappers stay outside the module tree
+
+
+@pytest.mark.parametrize("shape", ["tiny", "deepseek-v3-tiny"])
+def test_layers_handing_on_h_and_residual_give_the_textbook_pre_norm_bits(shape):
+    """Each layer returns (h, residual) and the next one adds them first (so that a compiled layer fuses that add
+    with its norm). Eagerly that must be the textbook pre-norm stack to the bit, in bf16 where any other order of
+    the adds would round differently - the logits and the EAGLE-3 features (each taken layer's input)."""
+    model = random_model(shape, seed=3).to(torch.bfloat16)
+    cfg, n = model.cfg, model.cfg.num_hidden_layers
+    ids, pos = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0)), torch.arange(9)
+    taken_at = (0, n // 2, n)
+    with torch.no_grad():
+        logits, aux = model(ids, pos, hidden_layers=taken_at)
+        cos, sin = model.rope_cos[pos], model.rope_sin[pos]
+        x, inputs = model.embed_tokens(ids), []
+        for layer in model.layers:
+            inputs.append(x)
+            x = x + layer.self_attn(layer.input_layernorm(x), cos, sin, None, None)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        inputs.append(x)
+        want = model.lm_head(model.norm(x)).float()
+    assert torch.equal(logits, want)
+    assert torch.equal(aux, torch.cat([inputs[i] for i in taken_at], dim=-1))
