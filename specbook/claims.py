@@ -5,7 +5,12 @@ A claim is written literally between two HTML comments, so raw Markdown shows th
     <!-- claim: baseline-decode/h200/decode_tok_s fmt=.0f -->227<!-- /claim -->
 
 `fmt` is a Python format spec for the record's value, or `range:SPEC` for the low and high of its samples
-("82-83"; just the value when the record has no samples). Numbers that look measured (tok/s, ms, speedups, accept
+("82-83"; just the value when the record has no samples). A claim follows the record: each new run rewrites it.
+Prose about one run ("the record before gave 562 tok/s") pins the claim to that run's entry in the record's
+history instead, which later runs never change and staleness never touches:
+
+    <!-- claim: deepseek-mla-moe/h200/compiled_decode_tok_s@20261203T164740Z-37bd fmt=.0f -->562<!-- /claim -->
+ Numbers that look measured (tok/s, ms, speedups, accept
 length) must stand in a claim; numbers that come from elsewhere (a paper, a goal) are wrapped in a citation instead:
 
     <!-- cite: EAGLE-3 paper, table 1 -->4.40x<!-- /cite -->
@@ -34,13 +39,14 @@ FAILING_VERDICTS = verify.FAILING
 
 KEY = r"[A-Za-z0-9_.-]+"
 CLAIM_RE = re.compile(
-    rf"<!--\s*claim:\s*(?P<runbook>{KEY})/(?P<profile>{KEY})/(?P<metric>{KEY})(?:\s+fmt=(?P<fmt>\S+))?\s*-->"
+    rf"<!--\s*claim:\s*(?P<runbook>{KEY})/(?P<profile>{KEY})/(?P<metric>{KEY})(?:@(?P<run>{KEY}))?"
+    r"(?:\s+fmt=(?P<fmt>\S+))?\s*-->"
     r"(?P<literal>[^<\n]*)<!--\s*/claim\s*-->"
 )
 CITE_RE = re.compile(r"<!--\s*cite:\s*(?P<source>[^>\n]*\S)\s*-->(?P<text>[^<\n]*)<!--\s*/cite\s*-->")
 CHECK_RE = re.compile(r"<!--\s*check:\s*(?P<expr>[^\n]*?\S)\s*-->(?P<text>[^<\n]*)<!--\s*/check\s*-->")
 ANY_MARKER_RE = re.compile(r"<!--\s*/?\s*(?:claim|cite|check)\b")
-KEY_RE = re.compile(rf"(?<![\w/.-])({KEY})/({KEY})/({KEY})(?![\w/])")
+KEY_RE = re.compile(rf"(?<![\w/.-])({KEY})/({KEY})/({KEY})(?:@({KEY}))?(?![\w/@])")
 FENCE_RE = re.compile(r"^(\s*)(```|~~~).*?^\1\2[^\n]*$", re.M | re.S)
 INLINE_CODE_RE = re.compile(r"`[^`\n]+`")
 COMMENT_RE = re.compile(r"<!--.*?-->", re.S)
@@ -82,10 +88,16 @@ class Claim:
     metric: str
     fmt: str
     literal: str
+    run: str | None = None  # pinned to this run's entry in the metric's history; None: the recorded value
 
     @property
     def key(self) -> str:
         return f"{self.runbook}/{self.profile}/{self.metric}"
+
+    @property
+    def label(self) -> str:
+        """The key as written in the marker, with the pinned run."""
+        return self.key + (f"@{self.run}" if self.run else "")
 
 
 class DocsError(SpecbookError):
@@ -107,6 +119,32 @@ def find_metric(root: Path, runbook: str, profile: str, metric: str, cache: dict
     """The metric entry of a record (value, unit, samples, ...) or None."""
     data = _load_record(root, runbook, {} if cache is None else cache) or {}
     return (data["profiles"].get(profile) or {}).get("metrics", {}).get(metric) if data else None
+
+
+def pinned_metric(metric: dict | None, run: str | None) -> dict | None:
+    """The metric as one run measured it (its history entry: the value, no samples), or the metric itself when no
+    run is named; None when the history has no entry of that run."""
+    if metric is None or run is None:
+        return metric
+    entry = next((h for h in reversed(metric.get("history") or []) if h.get("run") == run), None)
+    return None if entry is None else {**{k: v for k, v in metric.items() if k not in ("samples", "history")},
+                                       "value": entry["value"], "run": run}
+
+
+PINNED = "pinned"  # a claim's state when it quotes one run's value: never stale, since that run measured it
+PINNED_MEANING = "one run's value from the record's history (`@RUN` in the marker): what that run measured stays true"
+
+
+def pinned_run(root: Path, claim: Claim, cache: dict) -> dict | None:
+    """The run a pinned claim quotes, from the record's runs (date, provenance), or None."""
+    data = _load_record(root, claim.runbook, cache) or {}
+    prof = (data.get("profiles") or {}).get(claim.profile) or {}
+    return next((r for r in prof.get("runs") or [] if r.get("id") == claim.run), None) if claim.run else None
+
+
+def claim_metric(root: Path, claim: Claim, cache: dict) -> dict | None:
+    """What a claim quotes: the recorded metric, or its history entry of the pinned run."""
+    return pinned_metric(find_metric(root, claim.runbook, claim.profile, claim.metric, cache), claim.run)
 
 
 def record_verdict(root: Path, runbook: str, profile: str, metric: str, cache: dict) -> str:
@@ -181,12 +219,12 @@ def parse_claims(text: str, file: str) -> tuple[list[Claim], list[Problem]]:
                                                 f"{m.group('metric')}: bad fmt={fmt!r}"))
             continue
         claims.append(Claim(file, line, m.start("literal"), m.end("literal"), m.span(), m.group("runbook"),
-                            m.group("profile"), m.group("metric"), fmt, m.group("literal")))
+                            m.group("profile"), m.group("metric"), fmt, m.group("literal"), m.group("run")))
     covered += [(m.start(), m.end()) for rx in (CITE_RE, CHECK_RE) for m in rx.finditer(masked)]
     for m in ANY_MARKER_RE.finditer(masked):
         if not any(a <= m.start() < b for a, b in covered):
             problems.append(Problem(file, _line_of(text, m.start()),
-                                    "malformed marker: expected <!-- claim: RUNBOOK/PROFILE/METRIC fmt=SPEC -->"
+                                    "malformed marker: expected <!-- claim: RUNBOOK/PROFILE/METRIC[@RUN] fmt=SPEC -->"
                                     "LITERAL<!-- /claim --> or <!-- cite: SOURCE -->TEXT<!-- /cite --> on one line"))
     return claims, problems
 
@@ -277,10 +315,15 @@ def check_claim(root: Path, claim: Claim, cache: dict) -> list[Problem]:
     metric = find_metric(root, claim.runbook, claim.profile, claim.metric, cache)
     if metric is None:
         return [Problem(claim.file, claim.line, f"claim {claim.key}: no such record in baselines/")]
-    expected = format_value(metric, claim.fmt)
+    if (pinned := pinned_metric(metric, claim.run)) is None:
+        return [Problem(claim.file, claim.line, f"claim {claim.label}: no run {claim.run} in the history of "
+                                                f"{claim.key}")]
+    expected = format_value(pinned, claim.fmt)
     if claim.literal != expected:
-        return [Problem(claim.file, claim.line,
-                        f"claim {claim.key}: literal {claim.literal!r} != record {expected!r} (run `runbook run`)")]
+        return [Problem(claim.file, claim.line, f"claim {claim.label}: literal {claim.literal!r} != record "
+                                                f"{expected!r} (run `runbook run`)")]
+    if claim.run:  # what one run measured stays true when later inputs change
+        return []
     verdict = record_verdict(root, claim.runbook, claim.profile, claim.metric, cache)
     if verdict in FAILING_VERDICTS:
         return [Problem(claim.file, claim.line,
@@ -289,12 +332,12 @@ def check_claim(root: Path, claim: Claim, cache: dict) -> list[Problem]:
 
 
 def evaluate_check(root: Path, expr: str, cache: dict) -> bool:
-    """A check marker's expression over record values (RUNBOOK/PROFILE/METRIC), numbers, + - * /, comparisons,
-    and/or/not, abs/min/max; raises DocsError for anything else or a missing record."""
+    """A check marker's expression over record values (RUNBOOK/PROFILE/METRIC, with @RUN for one run's value),
+    numbers, + - * /, comparisons, and/or/not, abs/min/max; raises DocsError for anything else or a missing record."""
     values: dict[str, float] = {}
 
     def name_of(m: re.Match) -> str:
-        metric = find_metric(root, m.group(1), m.group(2), m.group(3), cache)
+        metric = pinned_metric(find_metric(root, m.group(1), m.group(2), m.group(3), cache), m.group(4))
         if metric is None:
             raise DocsError(f"check {expr!r}: no record {m.group()}")
         key = f"_v{len(values)}"
@@ -377,7 +420,7 @@ def plan_refresh(root: Path | str, runbooks: Iterable[str] | None = None) -> lis
         for claim in parse_claims(text, path.relative_to(root).as_posix())[0]:
             if only is not None and claim.runbook not in only:
                 continue
-            metric = find_metric(root, claim.runbook, claim.profile, claim.metric, cache)
+            metric = claim_metric(root, claim, cache)
             if metric is None:
                 continue
             literal = format_value(metric, claim.fmt)

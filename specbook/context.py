@@ -130,8 +130,9 @@ def claim_rows(root: Path) -> list[dict[str, Any]]:
         rel = path.relative_to(root).as_posix()
         for c in claims.parse_claims(path.read_text(), rel)[0]:
             v = index.get(c.key)
-            rows.append({"claim": c.key, "file": rel, "line": c.line, "literal": c.literal,
-                         "state": v.state if v else verify.UNRECORDED, "unit": v.unit if v else None})
+            state = claims.PINNED if c.run and v else v.state if v else verify.UNRECORDED
+            rows.append({"claim": c.key, "run": c.run, "file": rel, "line": c.line, "literal": c.literal,
+                         "state": state, "unit": v.unit if v else None})
     return rows
 
 

@@ -257,3 +257,58 @@ def test_runbook_verify_docs_fails_with_file_and_line(root):
     page(root, "[gone](missing.md)\n")
     r = CliRunner().invoke(main, ["--root", str(root), "verify", "--docs", "bench"])
     assert r.exit_code == 1 and "docs: docs/p.md:8: broken link: missing.md" in r.stdout
+
+
+def record_another_run(root: Path, value: float, run_id: str = "r2") -> None:
+    """A newer run of the bench record: its value becomes the recorded one, the old one stays in the history."""
+    path = root / "baselines" / "bench.yaml"
+    data = yaml.safe_load(path.read_text())
+    [(profile, prof)] = data["profiles"].items()
+    prof["runs"].append({**prof["runs"][0], "id": run_id, "date": "2026-12-01T10:00:00Z",
+                         "provenance": {**prof["runs"][0]["provenance"], "git_commit": "abcdef1234567"}})
+    m = prof["metrics"]["tok_s"]
+    m["history"].append({"value": value, "run": run_id})
+    m.update(value=value, run=run_id, samples=[value])
+    path.write_text(yaml.safe_dump(data))
+
+
+def test_pinned_claim_quotes_its_run_while_the_record_moves_on(root):
+    """Prose about one run pins its number with @RUN: the history entry, not the newest value, on every refresh."""
+    record_another_run(root, 91.25)
+    path = page(root, "Before: <!-- claim: bench/cpu/tok_s@r1 fmt=.1f -->0<!-- /claim --> tok/s; now "
+                      "<!-- claim: bench/cpu/tok_s fmt=.1f -->0<!-- /claim --> tok/s; <!-- check: "
+                      "bench/cpu/tok_s > bench/cpu/tok_s@r1 + 8 -->it got faster<!-- /check -->.\n")
+    assert refresh_docs(root) == [path]
+    assert "tok_s@r1 fmt=.1f -->82.5<!--" in path.read_text() and "tok_s fmt=.1f -->91.2<!--" in path.read_text()
+    assert messages(root) == []
+    record_another_run(root, 70.0, "r3")
+    refresh_docs(root)
+    assert "tok_s@r1 fmt=.1f -->82.5<!--" in path.read_text() and "tok_s fmt=.1f -->70.0<!--" in path.read_text()
+    assert [m for m in messages(root) if "is false" in m]  # the check now says the text no longer holds
+
+
+def test_pinned_claim_to_a_run_not_in_the_history(root):
+    page(root, "<!-- claim: bench/cpu/tok_s@r9 fmt=.1f -->82.5<!-- /claim --> tok/s\n")
+    assert messages(root) == ["docs/p.md:8: claim bench/cpu/tok_s@r9: no run r9 in the history of bench/cpu/tok_s"]
+    page(root, "<!-- check: bench/cpu/tok_s@r9 > 1 -->x<!-- /check -->\n")
+    assert any("no record bench/cpu/tok_s@r9" in m for m in messages(root))
+
+
+def test_pinned_claim_stays_true_when_its_record_goes_stale(root):
+    write_record(root, source="measured", profile=HERE)
+    page(root, f"Then <!-- claim: bench/{HERE}/tok_s@r1 fmt=.1f -->82.5<!-- /claim --> tok/s; now "
+               f"<!-- claim: bench/{HERE}/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s.\n")
+    rb = root / "runbooks" / "bench.py"
+    rb.write_text(rb.read_text().replace("n = 1", "n = 2"))
+    assert messages(root) == [f"docs/p.md:8: claim bench/{HERE}/tok_s: record is stale (`runbook verify bench`)"]
+
+
+def test_status_page_names_a_pinned_claims_run(root):
+    record_another_run(root, 91.25)
+    page(root, "Before <!-- claim: bench/cpu/tok_s@r1 fmt=.1f -->82.5<!-- /claim --> tok/s, after "
+               "<!-- claim: bench/cpu/tok_s@r2 fmt=.2f -->91.25<!-- /claim --> tok/s.\n")
+    rows = [r for r in site.status_page(root).splitlines() if r.startswith("| `bench/")]
+    assert rows[0].startswith("| `bench/cpu/tok_s@r1` |") and "| 82.5 tok/s |" in rows[0]
+    assert "**pinned**" in rows[0] and "2026-11-29" in rows[0] and "2026-12-01" not in rows[0]
+    assert "| 91.25 tok/s |" in rows[1] and "2026-12-01" in rows[1] and "commit `abcdef1234`" in rows[1]
+    assert "Counts: 2 pinned." in site.status_page(root)
