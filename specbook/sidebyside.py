@@ -3,16 +3,18 @@ without GPUs.
 
 A shared CPU's pace moves by more than a timing's tolerance within a minute (other tenants of the host, its memory
 traffic), so runs made one after another - A, then B - compare two moments as well as two engines. Here each tree
-gets one child process that runs the runbook `runs` times back to back, and the two children start together, so
-whatever the machine does meanwhile falls on both alike. Pair k is the two streams' k-th runs. Where the project's
+gets one child process that runs the runbook `runs` times, and the two children start each run together (a barrier
+in this process: a notebook's start takes seconds more or less under load, and the streams would drift apart run by
+run), so whatever the machine does meanwhile falls on both alike. Pair k is the two streams' k-th runs. Where the project's
 engine keeps the timing lock (`[tool.specbook] timing_lock`, specbook.parallel) both streams' kernels are timers on
 one lock: a timed section starts once the other stream waits to time too, and the two take turns, so A's and B's
 measurements of one thing follow each other within seconds, and neither times while the other works. Without the
 lock the streams run free. (On a GPU verify keeps to one run at a time: the recorded commit's engine may not keep
 the lock there, and two runs on one GPU would time each other's kernels.)
 
-`python -m specbook.sidebyside ROOT NAME PROFILE RUNS` is one stream: one JSON line per run on stdout,
-`{"metrics": {name: value}}` or `{"error": "..."}`, its log on stderr.
+`python -m specbook.sidebyside ROOT NAME PROFILE RUNS TAG` is one stream: before each run it writes `{"ready": k}`
+and waits for a line on stdin; after it, one JSON line `{"metrics": {name: value}}` or `{"error": "..."}`; its log
+on stderr.
 """
 from __future__ import annotations
 
@@ -40,8 +42,22 @@ def pairs(trees: tuple[Path, Path], name: str, profile: str, runs: int,
         lock.parent.mkdir(parents=True, exist_ok=True)
         env.update({parallel.TIMING_LOCK_ENV: str(lock), parallel.TIMING_ROLE_ENV: "timer"})
     children = {tag: subprocess.Popen([sys.executable, "-m", "specbook.sidebyside", str(tree), name, profile,
-                                       str(runs), tag], stdout=subprocess.PIPE, text=True, env=env)
+                                       str(runs), tag], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      env=env)
                 for tag, tree in zip("AB", trees)}
+    start_together = threading.Barrier(len(children))
+
+    def go(tag: str) -> None:
+        """Let a stream start its next run once the other is ready for its own (at once when the other has ended)."""
+        try:
+            start_together.wait()
+        except threading.BrokenBarrierError:
+            pass
+        try:
+            children[tag].stdin.write("go\n")
+            children[tag].stdin.flush()
+        except OSError:  # the child is gone: its reader sees the end of its output
+            pass
 
     def read(tag: str) -> None:
         for line in children[tag].stdout:
@@ -51,10 +67,14 @@ def pairs(trees: tuple[Path, Path], name: str, profile: str, runs: int,
                 continue  # not a result line (a stray print of the run's own code)
             if not isinstance(got, dict):
                 continue
+            if "ready" in got:
+                go(tag)
+                continue
             results[tag].append(got.get("metrics"))
             k = len(results[tag])
             log(f"{name} ({profile}): {tag} run {k} of {runs} " +
                 ("done" if got.get("metrics") is not None else f"failed: {got.get('error')}"))
+        start_together.abort()  # this stream has ended: the other runs on alone rather than wait for it
 
     readers = [threading.Thread(target=read, args=(tag,), daemon=True) for tag in children]
     try:
@@ -88,7 +108,10 @@ def main(argv: list[str]) -> int:
     except SpecbookError as e:
         print(json.dumps({"error": str(e)}), flush=True)
         return e.exit_code
-    for _ in range(runs):
+    for k in range(1, runs + 1):
+        print(json.dumps({"ready": k}), flush=True)
+        if not sys.stdin.readline():  # verify has gone
+            return 1
         try:
             outcome = run(root, t, record=False, fresh=True, progress=False, log=log)[-1]
             line = {"metrics": {m.name: m.value for m in outcome.execution.metrics}}

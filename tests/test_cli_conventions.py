@@ -139,14 +139,18 @@ def test_context_json_lists_numbers_claims_and_decisions(tmp_path):
     reported_record(root)
     (root / "docs").mkdir()
     (root / "docs" / "p.md").write_text(FRONT + "Runs at <!-- claim: bench/h200/tok_s fmt=.1f -->82.5<!-- /claim -->"
-                                                " tok/s.\n")
+                                                " tok/s, as run r1 measured: <!-- claim: bench/h200/tok_s@r1 fmt=.0f -->"
+                                                "82<!-- /claim --> tok/s.\n")
     (root / "docs" / "decisions.md").write_text(DECISIONS)
     r = invoke("runbook", "--root", str(root), "context", "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert [(n["runbook"], n["profile"], n["metric"], n["value"], n["state"]) for n in out["numbers"]] == [
         ("bench", "h200", "tok_s", 82.5, "reported")]
-    assert out["claims"] == [{"claim": "bench/h200/tok_s", "file": "docs/p.md", "line": 8, "literal": "82.5",
-                              "state": "reported", "unit": "tok/s"}]
+    assert out["claims"] == [
+        {"claim": "bench/h200/tok_s", "run": None, "file": "docs/p.md", "line": 8, "literal": "82.5",
+         "state": "reported", "unit": "tok/s"},
+        {"claim": "bench/h200/tok_s", "run": "r1", "file": "docs/p.md", "line": 8, "literal": "82",
+         "state": "pinned", "unit": "tok/s"}]
     assert out["decisions"][0]["title"] == "D1: Do it" and out["decisions"][0]["status"] == "open"
     assert out["problems"] == [] and out["next_steps"] == []
