@@ -19,6 +19,9 @@ class KVCache(nn.Module):
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         vshape = shape[:-1] + (v_head_dim or head_dim,)
         self.register_buffer("v", torch.zeros(vshape, dtype=dtype, device=device), persistent=False)
+        # engine.decode_attention's split counts: the last block of a KV head merges its splits, then sets it to 0
+        self.register_buffer("merge_counts", torch.zeros(batch * kv_heads, dtype=torch.int32, device=device),
+                             persistent=False)
 
     def update(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """slots [T]; k, v [B, Hkv, T, D] -> the whole cache."""

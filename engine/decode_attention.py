@@ -4,9 +4,14 @@ A decode step's attention has few query rows (the query heads of one KV head, ti
 whole static cache. SDPA's fused kernels start one block per (KV head, row block): a handful of blocks on a GPU of
 over a hundred SMs, which leaves most of it idle while the cache streams. Here the cache is cut into splits, each
 block computes a partial softmax over its split (all query rows of one KV head at once, so every K/V tile is read
-once), and a second kernel merges the splits by their log-sum-exp. Used by `engine.model.grouped_attention` on CUDA
-when Triton is installed; everything else (CPU, long queries) takes SDPA. What it costs per step: baseline-decode's
+once), and the splits are merged by their log-sum-exp. Used by `engine.model.grouped_attention` on CUDA when
+Triton is installed; everything else (CPU, long queries) takes SDPA. What it costs per step: baseline-decode's
 profile (docs/findings.md, section 6).
+
+The merge: with a cache's `merge_counts` (one int32 per batch row and KV head, zero between calls), the block that
+finishes a KV head's last split merges all of them in the same kernel (each block counts itself in with an atomic
+add; the last one also sets the count back to zero, so a CUDA graph replays it as captured). Without counts, a
+second kernel merges. Both sum the splits in split order, so the result does not depend on which block came last.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ TARGET_BLOCKS = 264  # two blocks per SM of an H100/H200 (132 SMs)
 
 
 enabled = True  # benchmarks switch it off to time SDPA on the same model
+fuse_merge = True  # benchmarks switch it off to time the merge as a kernel of its own
 
 
 def available(q: torch.Tensor, k: torch.Tensor, rows: int) -> bool:
@@ -35,10 +41,11 @@ def available(q: torch.Tensor, k: torch.Tensor, rows: int) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _splitkv_partial(Q, K, V, Mask, O, ML, S, T, n_kv,
-                         sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_t,
+    def _splitkv_partial(Q, K, V, Mask, O, ML, Out, Counts, S, T, n_kv,
+                         sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_t, so_b, so_h, so_r,
                          R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                         BLOCK_N: tl.constexpr, PER_SPLIT: tl.constexpr, SCALE: tl.constexpr):
+                         BLOCK_N: tl.constexpr, PER_SPLIT: tl.constexpr, N_SPLIT: tl.constexpr,
+                         SCALE: tl.constexpr, FUSED_MERGE: tl.constexpr):
         bh, split = tl.program_id(0), tl.program_id(1)
         b, h = bh // n_kv, bh % n_kv
         rows = tl.arange(0, BLOCK_R)
@@ -66,38 +73,51 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l = l * alpha + tl.sum(p, 1)
             m = m_new
-        base = (bh * tl.num_programs(1) + split) * BLOCK_R
+        base = (bh * N_SPLIT + split) * BLOCK_R
         tl.store(O + (base + rows[:, None]) * DV + dv[None, :], acc)
         tl.store(ML + (base + rows) * 2, m)
         tl.store(ML + (base + rows) * 2 + 1, l)
+        if FUSED_MERGE:
+            tl.debug_barrier()  # every thread's partial stored before the count says so (the atomic releases them)
+            done = tl.atomic_add(Counts + bh, 1, sem="acq_rel", scope="gpu")
+            if done == N_SPLIT - 1:  # the last split of this KV head: the others' partials are all written
+                _merge(O, ML, Out, b * so_b + h * so_h, so_r, bh, R, BLOCK_R, DV, N_SPLIT)
+                tl.atomic_xchg(Counts + bh, 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
+    def _merge(O, ML, Out, out_off, so_r, bh, R: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr,
+               N_SPLIT: tl.constexpr):
+        """The splits of one KV head, by log-sum-exp, in split order. Loads bypass L1 (.cg): other blocks wrote
+        them in this kernel. The loops unroll, so every split's loads are in flight at once."""
+        rows = tl.arange(0, BLOCK_R)
+        dv = tl.arange(0, DV)
+        m_all = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        for i in tl.static_range(N_SPLIT):
+            m_all = tl.maximum(m_all, tl.load(ML + ((bh * N_SPLIT + i) * BLOCK_R + rows) * 2, cache_modifier=".cg"))
+        m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+        l = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, DV], tl.float32)
+        for i in tl.static_range(N_SPLIT):
+            base = (bh * N_SPLIT + i) * BLOCK_R
+            w = tl.exp(tl.load(ML + (base + rows) * 2, cache_modifier=".cg") - m_all)
+            l += w * tl.load(ML + (base + rows) * 2 + 1, cache_modifier=".cg")
+            acc += w[:, None] * tl.load(O + (base + rows[:, None]) * DV + dv[None, :], cache_modifier=".cg")
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # padding rows have l = 0
+        tl.store(Out + out_off + rows[:, None] * so_r + dv[None, :], out.to(Out.dtype.element_ty),
+                 mask=rows[:, None] < R)
 
     @triton.jit
     def _splitkv_merge(O, ML, Out, so_b, so_h, so_r, n_kv,
                        R: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr, N_SPLIT: tl.constexpr):
         bh = tl.program_id(0)
-        b, h = bh // n_kv, bh % n_kv
-        rows = tl.arange(0, BLOCK_R)
-        dv = tl.arange(0, DV)
-        m_all = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        for i in range(N_SPLIT):
-            m_all = tl.maximum(m_all, tl.load(ML + ((bh * N_SPLIT + i) * BLOCK_R + rows) * 2))
-        m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-        l = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, DV], tl.float32)
-        for i in range(N_SPLIT):
-            base = (bh * N_SPLIT + i) * BLOCK_R
-            w = tl.exp(tl.load(ML + (base + rows) * 2) - m_all)
-            l += w * tl.load(ML + (base + rows) * 2 + 1)
-            acc += w[:, None] * tl.load(O + (base + rows[:, None]) * DV + dv[None, :])
-        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # padding rows have l = 0
-        tl.store(Out + b * so_b + h * so_h + rows[:, None] * so_r + dv[None, :], out.to(Out.dtype.element_ty),
-                 mask=rows[:, None] < R)
+        _merge(O, ML, Out, (bh // n_kv) * so_b + (bh % n_kv) * so_h, so_r, bh, R, BLOCK_R, DV, N_SPLIT)
 
 
-def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, tokens: int
-                       ) -> torch.Tensor:
+def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, tokens: int,
+                       merge_counts: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hkv, R, D] (row r: token r % tokens of one of the KV head's query heads), k [B, Hkv, S, D],
-    v [B, Hkv, S, Dv], mask [tokens, S] bool -> [B, Hkv, R, Dv]."""
+    v [B, Hkv, S, Dv], mask [tokens, S] bool -> [B, Hkv, R, Dv]. merge_counts: int32, at least B * Hkv, all zero
+    (KVCache.merge_counts): the splits merge in the same kernel; None: in a second one."""
     B, n_kv, R, D = q.shape
     S, DV = k.shape[2], v.shape[3]
     block_r = max(16, triton.next_power_of_2(R))  # tl.dot needs 16 rows
@@ -108,11 +128,16 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     ml = torch.empty(B * n_kv * n_split * block_r, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(B, n_kv, R, DV, dtype=q.dtype, device=q.device)
     q, mask = q.contiguous(), mask.contiguous()
+    fused = merge_counts is not None and fuse_merge
+    if fused and (merge_counts.dtype != torch.int32 or merge_counts.numel() < B * n_kv):
+        raise ValueError(f"merge_counts: int32 with at least {B * n_kv} elements")
     _splitkv_partial[(B * n_kv, n_split)](
-        q, k, v, mask, part, ml, S, tokens, n_kv,
+        q, k, v, mask, part, ml, out, merge_counts if fused else ml, S, tokens, n_kv,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), mask.stride(0),
-        R=R, BLOCK_R=block_r, D=D, DV=DV, BLOCK_N=BLOCK_N, PER_SPLIT=per_split, SCALE=D ** -0.5, num_warps=4)
-    _splitkv_merge[(B * n_kv,)](part, ml, out, out.stride(0), out.stride(1), out.stride(2), n_kv,
-                                R=R, BLOCK_R=block_r, DV=DV, N_SPLIT=n_split, num_warps=4)
+        v.stride(0), v.stride(1), v.stride(2), mask.stride(0), out.stride(0), out.stride(1), out.stride(2),
+        R=R, BLOCK_R=block_r, D=D, DV=DV, BLOCK_N=BLOCK_N, PER_SPLIT=per_split, N_SPLIT=n_split,
+        SCALE=D ** -0.5, FUSED_MERGE=fused, num_warps=4)
+    if not fused:
+        _splitkv_merge[(B * n_kv,)](part, ml, out, out.stride(0), out.stride(1), out.stride(2), n_kv,
+                                    R=R, BLOCK_R=block_r, DV=DV, N_SPLIT=n_split, num_warps=4)
     return out

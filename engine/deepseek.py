@@ -204,16 +204,23 @@ class Experts(nn.Module):
         return (self.gate_up_proj[0].numel() * self.gate_up_proj.element_size()
                 + self.down_proj[0].numel() * self.down_proj.element_size())
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """x [N, H]; weights, idx [N, k] -> [N, H]. A decode step or a verify (few tokens, on a GPU) runs the
-        matrix-vector kernels of engine/moe_decode.py; more tokens the grouped GEMM; training every expert."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, shared: MLP | None = None
+                ) -> torch.Tensor:
+        """x [N, H]; weights, idx [N, k] -> [N, H], plus shared(x) when given (the MoE's shared experts). A decode
+        step or a verify (few tokens, on a GPU) runs the matrix-vector kernels of engine/moe_decode.py, which read
+        the shared experts' weights in the same launches; more tokens the grouped GEMM; training every expert."""
         if torch.is_grad_enabled():
-            return self._all_experts(x, weights, idx)
-        if moe_decode.available(x, idx.shape[1]):
-            return moe_decode.routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
-        if not grouped_mm_ok(x):
-            return self._all_experts(x, weights, idx)
-        return self._grouped(x, weights, idx)
+            y = self._all_experts(x, weights, idx)
+        elif moe_decode.available(x, idx.shape[1]):
+            if shared is not None and moe_decode.fuse_shared:
+                return moe_decode.routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj,
+                                                 shared=(shared.w13.weight, shared.down_proj.weight))
+            y = moe_decode.routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
+        elif not grouped_mm_ok(x):
+            y = self._all_experts(x, weights, idx)
+        else:
+            y = self._grouped(x, weights, idx)
+        return y if shared is None else y + shared(x)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Token-expert pairs sorted by expert, one grouped GEMM per projection: each active expert's weights are
@@ -273,8 +280,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         weights, idx = self.gate(flat)
-        y = self.experts(flat, weights, idx).view_as(x)
-        return y if self.shared_experts is None else y + self.shared_experts(x)
+        return self.experts(flat, weights, idx, self.shared_experts).view_as(x)
 
 
 @dataclass

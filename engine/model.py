@@ -48,7 +48,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.cache: KVCache | None = None
-        # (q, k, v, mask) -> [B, H, T, Dv], k and v as cache.update returns them; TTT training swaps in its own
+        # (q, k, v, mask[, merge_counts]) -> [B, H, T, Dv], k and v as cache.update returns them; TTT
+        # training swaps in its own
         # (engine.train.drafter.unrolled)
         self.attend: Callable[..., torch.Tensor] = grouped_attention
 
@@ -68,12 +69,15 @@ class Attention(nn.Module):
         v = qkv[:, :, H + Hkv:].transpose(1, 2)  # [B, Hkv, T, D]
         if self.cache is not None:
             k, v = self.cache.update(slots, k, v)  # [B, Hkv, S, D]
-        y = self.attend(q, k, v, mask)
+        counts = getattr(self.cache, "merge_counts", None)  # a KVCache's; TTT training's StepKV has none
+        y = self.attend(q, k, v, mask) if counts is None else self.attend(q, k, v, mask, counts)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """q [B, H, T, D], k/v [B, Hkv, S, D], mask [T, S] bool (None: causal) -> [B, H, T, Dv].
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      merge_counts: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, T, D], k/v [B, Hkv, S, D], mask [T, S] bool (None: causal) -> [B, H, T, Dv]. merge_counts: the
+    cache's, for the split-KV kernel.
 
     Each KV head's query heads are stacked along the query axis, so plain SDPA computes GQA and its fused kernels
     (memory-efficient, cuDNN) accept the mask: with enable_gqa and a mask only the math kernel runs on CUDA, and it
@@ -83,7 +87,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     kv = k.shape[1]
     rep = H // kv
     if mask is not None and decode_attention.available(q, k, rep * T):
-        return decode_attention.split_kv_attention(q.reshape(B, kv, rep * T, D), k, v, mask, T).reshape(B, H, T, -1)
+        return decode_attention.split_kv_attention(q.reshape(B, kv, rep * T, D), k, v, mask, T,
+                                                   merge_counts).reshape(B, H, T, -1)
     if rep == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[None, None],
                                               is_causal=mask is None)

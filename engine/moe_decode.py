@@ -1,17 +1,22 @@
 """Routed experts for a few tokens (a decode step, a verify), in Triton: two matrix-vector kernels that read each
-chosen expert's weights straight from the stacked [E, ...] tensors.
+chosen expert's weights straight from the stacked [E, ...] tensors, and the shared experts' weights beside them.
 
 `deepseek.Experts._grouped` sorts the (token, expert) pairs by expert, builds offsets and runs torch's grouped
 GEMM, whose tiles are shaped for many rows per expert; at one to eight tokens each active expert has one or two rows,
 and the sort, histogram and scatter back are kernels of their own. Here nothing is sorted:
 - `_gemv_gate_up`: one program per (pair, block of intermediate rows) reads that block of the pair's expert's gate
-  and up rows against the pair's token and writes silu(gate) * up;
+  and up rows against the pair's token and writes silu(gate) * up; programs after the pairs' do the same for each
+  token's shared experts (one MLP), so both run in one launch;
 - `_gemv_down`: one program per (token, block of hidden rows) runs the down projection of each of the token's top-k
-  pairs and sums them, weighted, in a fixed order (deterministic, no atomics).
-The roundings follow `_grouped`'s: gate, up and each expert's output rounded to the weights' dtype, the weighted sum
-in float32. A pair's weights are re-read for each pair that routes to the same expert (through L2 at these sizes).
+  pairs and sums them, weighted, in a fixed order (deterministic, no atomics), then adds the shared experts' down
+  projection.
+The roundings follow `_grouped`'s and `deepseek.MoE`'s: gate, up and each expert's output rounded to the weights'
+dtype, the weighted sum in float32 rounded, the shared MLP's output rounded and added to it as a bf16 add would.
+The reduction widths (hidden, intermediate) are compile-time constants, so the loops over them unroll and a
+program's loads are all in flight at once rather than one block at a time. A pair's weights are re-read for each
+pair that routes to the same expert (through L2 at these sizes).
 
-`deepseek.Experts.forward` calls it for a decode step or a verify on a GPU (`available`); `scripts/bench-moe-decode.py`
+`deepseek.MoE.forward` calls it for a decode step or a verify on a GPU (`available`); `scripts/bench-moe-decode.py`
 times it against `_grouped` per block size. On CPU tensors it runs in Triton's interpreter (TRITON_INTERPRET=1),
 which is how tests/test_moe_decode.py checks it.
 """
@@ -32,6 +37,8 @@ MAX_PAIRS = 64  # (token, expert) pairs beyond which the grouped GEMM's sorted t
 BLOCK_I = 8  # intermediate rows per _gemv_gate_up program (each reads gate and up rows: 2 x BLOCK_I rows)
 BLOCK_H = 8  # hidden rows per _gemv_down program
 BLOCK_K = 512  # reduction width per load
+NUM_WARPS = 4
+fuse_shared = True  # deepseek.Experts passes the shared experts in; benchmarks switch it off to time them apart
 
 
 def available(x: torch.Tensor, top_k: int) -> bool:
@@ -43,106 +50,103 @@ def available(x: torch.Tensor, top_k: int) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gemv_gate_up(X, W, Idx, Out, hidden, inter, sw_e, sw_r,
-                 TOP_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr):
-        pair, blk = tl.program_id(0), tl.program_id(1)
-        e = tl.load(Idx + pair).to(tl.int64)
-        x_row = X + (pair // TOP_K) * hidden
+    def _gate_up_rows(x_row, w, out, blk, inter, sw_r, HIDDEN: tl.constexpr, BLOCK_I: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+        """Rows blk*BLOCK_I.. of one MLP's gate and up projections (gate rows, then up rows `inter` further on)
+        against one token: silu(gate) * up, rounded as the grouped GEMM and F.silu round."""
         rows = blk * BLOCK_I + tl.arange(0, BLOCK_I)
         in_rows = rows < inter
-        gate_w = W + e * sw_e + rows[:, None] * sw_r  # gate rows, then up rows `inter` further on
+        gate_w = w + rows[:, None] * sw_r
         up_w = gate_w + inter * sw_r
         gate = tl.zeros([BLOCK_I], tl.float32)
         up = tl.zeros([BLOCK_I], tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
+        for k0 in tl.static_range(0, HIDDEN, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
-            in_cols = cols < hidden
+            in_cols = cols < HIDDEN
             x = tl.load(x_row + cols, mask=in_cols, other=0.0).to(tl.float32)
             m = in_rows[:, None] & in_cols[None, :]
             gate += tl.sum(tl.load(gate_w + cols[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :], axis=1)
             up += tl.sum(tl.load(up_w + cols[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :], axis=1)
-        dt = Out.dtype.element_ty
+        dt = out.dtype.element_ty
         gate = gate.to(dt).to(tl.float32)  # the grouped GEMM's outputs are rounded to the weights' dtype
         act = (gate * tl.sigmoid(gate)).to(dt).to(tl.float32)  # F.silu, rounded
-        tl.store(Out + pair * inter + rows, act * up.to(dt).to(tl.float32), mask=in_rows)
+        tl.store(out + rows, act * up.to(dt).to(tl.float32), mask=in_rows)
 
     @triton.jit
-    def _pair_rows(A, W, pair, e, rows, in_rows, inter, sw_e, sw_r, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One pair's down projection over a block of hidden rows, in float32: rows of expert e against the pair's
-        activation."""
-        w_rows = W + e * sw_e + rows[:, None] * sw_r
+    def _gemv_gate_up(X, W, Idx, Out, WS, OutS, n_pairs, inter, inter_s, sw_e, sw_r, sws_r,
+                      HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        per_pair = tl.cdiv(inter, BLOCK_I)
+        if pid < n_pairs * per_pair:  # a routed pair's block
+            pair = pid // per_pair
+            e = tl.load(Idx + pair).to(tl.int64)
+            _gate_up_rows(X + (pair // TOP_K) * HIDDEN, W + e * sw_e, Out + pair * inter, pid % per_pair, inter,
+                          sw_r, HIDDEN, BLOCK_I, BLOCK_K)
+        else:  # a token's shared experts' block (the grid has these programs only when there are shared experts)
+            q = pid - n_pairs * per_pair
+            per_tok = tl.cdiv(inter_s, BLOCK_I)
+            tok = q // per_tok
+            _gate_up_rows(X + tok * HIDDEN, WS, OutS + tok * inter_s, q % per_tok, inter_s, sws_r,
+                          HIDDEN, BLOCK_I, BLOCK_K)
+
+    @triton.jit
+    def _row_dots(a, w_rows, in_rows, WIDTH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+        """A block of weight rows (pointers w_rows [BLOCK_H, 1]) against one activation row a, in float32."""
         acc = tl.zeros([BLOCK_H], tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
+        for k0 in tl.static_range(0, WIDTH, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
-            in_cols = cols < inter
-            a = tl.load(A + pair * inter + cols, mask=in_cols, other=0.0).to(tl.float32)
+            in_cols = cols < WIDTH
+            x = tl.load(a + cols, mask=in_cols, other=0.0).to(tl.float32)
             w = tl.load(w_rows + cols[None, :], mask=in_rows[:, None] & in_cols[None, :], other=0.0)
-            acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         return acc
 
     @triton.jit
-    def _gemv_down(A, W, Idx, Wts, Y, hidden, inter, sw_e, sw_r,
-                   TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gemv_down(A, W, Idx, Wts, Y, AS, WS, hidden, sw_e, sw_r, sws_r, TOP_K: tl.constexpr, INTER: tl.constexpr,
+                   INTER_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
         tok, blk = tl.program_id(0), tl.program_id(1)
         rows = blk * BLOCK_H + tl.arange(0, BLOCK_H)
         in_rows = rows < hidden
+        dt = Y.dtype.element_ty
         out = tl.zeros([BLOCK_H], tl.float32)
         for s in tl.static_range(TOP_K):  # the token's pairs in slot order: a fixed summation order
             pair = tok * TOP_K + s
             e = tl.load(Idx + pair).to(tl.int64)
-            acc = _pair_rows(A, W, pair, e, rows, in_rows, inter, sw_e, sw_r, BLOCK_H, BLOCK_K)
-            out += acc.to(Y.dtype.element_ty).to(tl.float32) * tl.load(Wts + pair)
-        tl.store(Y + tok * hidden + rows, out.to(Y.dtype.element_ty), mask=in_rows)
-
-    @triton.jit
-    def _gemv_down_pair(A, W, Idx, Ys, hidden, inter, sw_e, sw_r, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-        """`_gemv_down` split by pair: TOP_K times the programs at one token; each pair's output rounded as there."""
-        pair, blk = tl.program_id(0), tl.program_id(1)
-        rows = blk * BLOCK_H + tl.arange(0, BLOCK_H)
-        in_rows = rows < hidden
-        e = tl.load(Idx + pair).to(tl.int64)
-        acc = _pair_rows(A, W, pair, e, rows, in_rows, inter, sw_e, sw_r, BLOCK_H, BLOCK_K)
-        tl.store(Ys + pair * hidden + rows, acc.to(Ys.dtype.element_ty), mask=in_rows)
-
-    @triton.jit
-    def _combine(Ys, Wts, Y, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
-        """The weighted sum of `_gemv_down_pair`'s outputs in slot order, as `_gemv_down` sums."""
-        tok, blk = tl.program_id(0), tl.program_id(1)
-        rows = blk * BLOCK_H + tl.arange(0, BLOCK_H)
-        in_rows = rows < hidden
-        out = tl.zeros([BLOCK_H], tl.float32)
-        for s in tl.static_range(TOP_K):
-            pair = tok * TOP_K + s
-            out += tl.load(Ys + pair * hidden + rows, mask=in_rows, other=0.0).to(tl.float32) * tl.load(Wts + pair)
-        tl.store(Y + tok * hidden + rows, out.to(Y.dtype.element_ty), mask=in_rows)
+            acc = _row_dots(A + pair * INTER, W + e * sw_e + rows[:, None] * sw_r, in_rows, INTER, BLOCK_H, BLOCK_K)
+            out += acc.to(dt).to(tl.float32) * tl.load(Wts + pair)
+        y = out.to(dt)
+        if INTER_S > 0:  # + the shared experts' output, each rounded first: MoE.forward's bf16 add
+            shared = _row_dots(AS + tok * INTER_S, WS + rows[:, None] * sws_r, in_rows, INTER_S, BLOCK_H, BLOCK_K)
+            y = (y.to(tl.float32) + shared.to(dt).to(tl.float32)).to(dt)
+        tl.store(Y + tok * hidden + rows, y, mask=in_rows)
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up_proj: torch.Tensor,
                    down_proj: torch.Tensor, block_i: int = BLOCK_I, block_h: int = BLOCK_H, block_k: int = BLOCK_K,
-                   split_down: bool = False) -> torch.Tensor:
+                   *, shared: tuple[torch.Tensor, torch.Tensor] | None = None, num_warps: int = NUM_WARPS
+                   ) -> torch.Tensor:
     """x [N, H]; weights [N, k] float32; idx [N, k]; gate_up_proj [E, 2I, H] (gate rows, then up);
-    down_proj [E, H, I] -> [N, H] in x's dtype: sum over slots of weight * expert(x). The block sizes and
-    split_down (the down projection one program per pair and block, then a weighted sum: more programs for one
-    token) are the benchmark's to sweep; block sizes are powers of two."""
+    down_proj [E, H, I] -> [N, H] in x's dtype: sum over slots of weight * expert(x), plus the shared experts'
+    MLP of x when `shared` holds its weights (w13 [2Is, H], gate rows then up; down [H, Is]). The block sizes and
+    num_warps are the benchmark's to sweep; block sizes are powers of two."""
     N, k = idx.shape
     E, two_i, H = gate_up_proj.shape
     inter = two_i // 2
-    if gate_up_proj.stride(-1) != 1 or down_proj.stride(-1) != 1:
+    w13, w_down = shared if shared is not None else (gate_up_proj, down_proj)  # unread stand-ins without
+    inter_s = w13.shape[0] // 2 if shared is not None else 0
+    if any(t.stride(-1) != 1 for t in (gate_up_proj, down_proj, w13, w_down)):
         raise ValueError("expert weights must be contiguous along their rows")
     x, idx, weights = x.contiguous(), idx.contiguous(), weights.float().contiguous()
     act = torch.empty(N * k, inter, dtype=x.dtype, device=x.device)
-    _gemv_gate_up[(N * k, triton.cdiv(inter, block_i))](
-        x, gate_up_proj, idx, act, H, inter, gate_up_proj.stride(0), gate_up_proj.stride(1),
-        TOP_K=k, BLOCK_I=block_i, BLOCK_K=block_k, num_warps=4)
+    act_s = torch.empty(N, max(inter_s, 1), dtype=x.dtype, device=x.device)
+    progs = N * k * triton.cdiv(inter, block_i) + (N * triton.cdiv(inter_s, block_i) if inter_s else 0)
+    _gemv_gate_up[(progs,)](
+        x, gate_up_proj, idx, act, w13, act_s, N * k, inter, inter_s, gate_up_proj.stride(0),
+        gate_up_proj.stride(1), w13.stride(0), HIDDEN=H, TOP_K=k, BLOCK_I=block_i, BLOCK_K=block_k,
+        num_warps=num_warps)
     y = torch.empty(N, H, dtype=x.dtype, device=x.device)
-    if split_down:
-        ys = torch.empty(N * k, H, dtype=x.dtype, device=x.device)
-        _gemv_down_pair[(N * k, triton.cdiv(H, block_h))](
-            act, down_proj, idx, ys, H, inter, down_proj.stride(0), down_proj.stride(1),
-            BLOCK_H=block_h, BLOCK_K=block_k, num_warps=4)
-        _combine[(N, triton.cdiv(H, block_h))](ys, weights, y, H, TOP_K=k, BLOCK_H=block_h, num_warps=4)
-        return y
     _gemv_down[(N, triton.cdiv(H, block_h))](
-        act, down_proj, idx, weights, y, H, inter, down_proj.stride(0), down_proj.stride(1),
-        TOP_K=k, BLOCK_H=block_h, BLOCK_K=block_k, num_warps=4)
+        act, down_proj, idx, weights, y, act_s, w_down, H, down_proj.stride(0), down_proj.stride(1),
+        w_down.stride(0), TOP_K=k, INTER=inter, INTER_S=inter_s, BLOCK_H=block_h, BLOCK_K=block_k,
+        num_warps=num_warps)
     return y

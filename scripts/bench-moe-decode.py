@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Time the MoE decode kernels (engine/moe_decode.py) per block size, with the down projection whole or split by
-pair, against the grouped GEMM that deepseek.Experts runs for more tokens, on a GPU, at the deepseek-v3-mini
-experts' shapes (issue 18: MLA + MoE decode). The row marked (engine) is what deepseek.Experts runs.
+"""Time the MoE decode kernels (engine/moe_decode.py) per block size and warp count, with the shared experts read
+in the same launches or run apart as cuBLAS's products, against the grouped GEMM that deepseek.Experts runs for more
+tokens, on a GPU, at the deepseek-v3-mini experts' shapes (issue 18: MLA + MoE decode). Every variant computes the
+routed and the shared experts; the row marked (engine) is what deepseek.MoE runs.
 
     python scripts/bench-moe-decode.py [--tokens 1,8] [--layers 11] [--samples 7] [--json]
 
@@ -28,12 +29,13 @@ import torch  # noqa: E402
 
 from engine import moe_decode  # noqa: E402
 from engine.deepseek import Experts  # noqa: E402
+from engine.model import MLP  # noqa: E402
 from engine.shapes import SHAPES  # noqa: E402
 
 REPLAYS = 20
-# (block_i, block_h, block_k, split_down)
-CONFIGS = [(16, 16, 256, False), (16, 32, 128, False), (8, 8, 512, False),
-           (8, 8, 512, True), (8, 16, 512, True), (16, 32, 128, True)]
+# (block_i, block_h, block_k, num_warps)
+CONFIGS = [(8, 8, 512, 4), (8, 4, 512, 4), (8, 2, 1024, 4), (4, 4, 512, 4), (16, 8, 256, 4), (8, 8, 512, 8),
+           (16, 16, 256, 8), (4, 2, 512, 2)]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -86,31 +88,42 @@ def main(argv: list[str]) -> int:
     E, H, I, k = cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     ex = Experts(E, H, I).cuda().bfloat16()
+    mlp = MLP(H, I * cfg["n_shared_experts"]).cuda().bfloat16()
     with torch.no_grad():
         ex.gate_up_proj.normal_(0, H ** -0.5, generator=gen)
         ex.down_proj.normal_(0, I ** -0.5, generator=gen)
+        mlp.w13.weight.normal_(0, H ** -0.5, generator=gen)
+        mlp.down_proj.weight.normal_(0, (I * cfg["n_shared_experts"]) ** -0.5, generator=gen)
     expert_bytes = ex.expert_bytes()
+    shared_bytes = sum(t.numel() * t.element_size() for t in mlp.parameters())
+    shared = (mlp.w13.weight, mlp.down_proj.weight)
     rows = []
     for n in a.tokens:
         xs = [torch.randn(n, H, device="cuda", generator=gen).bfloat16() for _ in range(a.layers)]
         routes = [torch.stack([torch.randperm(E, device="cuda", generator=gen)[:k] for _ in range(n)])
                   for _ in range(a.layers)]
         ws = [torch.rand(n, k, device="cuda", generator=gen) for _ in range(a.layers)]
-        read = sum(len(set(r.flatten().tolist())) for r in routes) * expert_bytes / a.layers  # per layer
-        variants = {"grouped GEMM": [lambda x=x, w=w, r=r: ex._grouped(x, w, r) for x, w, r in zip(xs, ws, routes)]}
-        engine = (moe_decode.BLOCK_I, moe_decode.BLOCK_H, moe_decode.BLOCK_K, False)
-        for bi, bh, bk, split in CONFIGS:
-            name = (f"moe_decode {bi}/{bh}/{bk}{' split' if split else ''}"
-                    f"{' (engine)' if (bi, bh, bk, split) == engine else ''}")
-            variants[name] = [
-                lambda x=x, w=w, r=r, bi=bi, bh=bh, bk=bk, split=split: moe_decode.routed_experts(
-                    x, w, r, ex.gate_up_proj, ex.down_proj, bi, bh, bk, split_down=split)
-                for x, w, r in zip(xs, ws, routes)]
+        # per layer: the distinct experts the call reads, and the shared experts
+        read = sum(len(set(r.flatten().tolist())) for r in routes) * expert_bytes / a.layers + shared_bytes
+        calls = list(zip(xs, ws, routes))
+        variants = {"grouped GEMM, shared apart": [lambda x=x, w=w, r=r: ex._grouped(x, w, r) + mlp(x)
+                                                   for x, w, r in calls]}
+        engine = (moe_decode.BLOCK_I, moe_decode.BLOCK_H, moe_decode.BLOCK_K, moe_decode.NUM_WARPS)
+        for bi, bh, bk, nw in CONFIGS:
+            tag = f"moe_decode {bi}/{bh}/{bk} w{nw}"
+            mark = " (engine)" if (bi, bh, bk, nw) == engine else ""
+            variants[f"{tag} shared apart"] = [
+                lambda x=x, w=w, r=r, bi=bi, bh=bh, bk=bk, nw=nw: moe_decode.routed_experts(
+                    x, w, r, ex.gate_up_proj, ex.down_proj, bi, bh, bk, num_warps=nw) + mlp(x) for x, w, r in calls]
+            variants[f"{tag} shared in{mark}"] = [
+                lambda x=x, w=w, r=r, bi=bi, bh=bh, bk=bk, nw=nw: moe_decode.routed_experts(
+                    x, w, r, ex.gate_up_proj, ex.down_proj, bi, bh, bk, shared=shared, num_warps=nw)
+                for x, w, r in calls]
         with torch.no_grad():
-            want = [ex._grouped(x, w, r).float() for x, w, r in zip(xs, ws, routes)]
+            want = [(ex._grouped(x, w, r) + mlp(x)).float() for x, w, r in calls]
             graphs = {name: graph_of(calls) for name, calls in variants.items()}
-            diffs = {name: max((c().float() - t).abs().max().item() for c, t in zip(calls, want))
-                     for name, calls in variants.items()}
+            diffs = {name: max((c().float() - t).abs().max().item() for c, t in zip(fns, want))
+                     for name, fns in variants.items()}
         samples: dict[str, list[float]] = {name: [] for name in graphs}
         for _ in range(a.samples):  # interleaved
             for name, g in graphs.items():
@@ -121,13 +134,13 @@ def main(argv: list[str]) -> int:
                          "spread": max(s) / min(s), "max_abs_diff_vs_grouped": diffs[name]})
     if a.json:
         print(json.dumps({"shape": a.shape, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                          "expert_bytes": expert_bytes, "rows": rows}, indent=1))
+                          "expert_bytes": expert_bytes, "shared_bytes": shared_bytes, "rows": rows}, indent=1))
         return 0
     print(f"{a.shape} experts on {torch.cuda.get_device_name()} (torch {torch.__version__}), {a.layers} layers a "
           f"graph, median of {a.samples} interleaved samples")
-    print(f"{'tokens':>6}  {'variant':<35} {'us/layer':>9} {'GB/s':>7} {'spread':>7} {'|diff| vs grouped':>18}")
+    print(f"{'tokens':>6}  {'variant':<44} {'us/layer':>9} {'GB/s':>7} {'spread':>7} {'|diff| vs grouped':>18}")
     for r in rows:
-        print(f"{r['tokens']:>6}  {r['variant']:<35} {r['us_per_layer']:>9.1f} {r['gb_s']:>7.0f} "
+        print(f"{r['tokens']:>6}  {r['variant']:<44} {r['us_per_layer']:>9.1f} {r['gb_s']:>7.0f} "
               f"{r['spread']:>7.3f} {r['max_abs_diff_vs_grouped']:>18.4f}")
     return 0
 

@@ -19,11 +19,13 @@ from engine.decode_attention import split_kv_attention
 from engine.model import grouped_attention
 
 g = torch.Generator().manual_seed(0)
-worst = 0.0
+worst = merged_apart = 0.0
+counts = torch.zeros(8, dtype=torch.int32)
+left = []
 # (batch, query heads, KV heads, tokens, cache length, head dim, valid cache length): several splits, padded rows
 # (fewer than 16 per KV head), a cache longer than what is valid, GQA and plain multi-head
 for B, H, kv, T, S, D, valid in [(1, 8, 2, 1, 200, 64, 150), (1, 4, 4, 8, 130, 64, 100), (2, 8, 2, 4, 64, 128, 64),
-                                 (1, 16, 2, 4, 300, 64, 290)]:
+                                 (1, 16, 2, 4, 300, 64, 290)]:  # at most 8 batch rows x KV heads, as counts
     q = torch.randn(B, H, T, D, generator=g)
     k, v = torch.randn(B, kv, S, D, generator=g), torch.randn(B, kv, S, D, generator=g)
     causal = torch.arange(S)[None, :] <= torch.arange(valid - T, valid)[:, None]
@@ -31,9 +33,13 @@ for B, H, kv, T, S, D, valid in [(1, 8, 2, 1, 200, 64, 150), (1, 4, 4, 8, 130, 6
     tree[:, 0] = True
     for mask in (causal, tree):
         want = grouped_attention(q, k, v, mask)  # CPU: SDPA
-        got = split_kv_attention(q.reshape(B, kv, H // kv * T, D), k, v, mask, T).reshape(B, H, T, D)
+        qg = q.reshape(B, kv, H // kv * T, D)
+        got = split_kv_attention(qg, k, v, mask, T, counts).reshape(B, H, T, D)  # merged by the last block
+        apart = split_kv_attention(qg, k, v, mask, T).reshape(B, H, T, D)  # merged by a kernel of its own
         worst = max(worst, (got - want).abs().max().item())
-print(worst)
+        merged_apart = max(merged_apart, (got - apart).abs().max().item())
+        left.append(int(counts.abs().sum()))
+print(worst, merged_apart, sum(left), len(left))
 """
 
 
@@ -41,4 +47,7 @@ def test_split_kv_kernel_matches_sdpa_in_the_interpreter():
     r = subprocess.run([sys.executable, "-c", SCRIPT], env={**os.environ, "TRITON_INTERPRET": "1"},
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert float(r.stdout.split()[-1]) < 1e-5
+    worst, merged_apart, counts_left, calls = r.stdout.split()[-4:]
+    assert float(worst) < 1e-5
+    assert float(merged_apart) == 0.0  # both merges sum the splits in split order
+    assert int(calls) == 8 and int(counts_left) == 0  # the last block leaves the counts as it found them

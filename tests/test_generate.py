@@ -148,13 +148,13 @@ def test_engine_facade_streams_chunks_and_generates():
 
 
 def test_profile_counts_the_engines_own_matrix_kernels_as_matrix_work():
-    """The step's split by kind: the routed experts' Triton kernels are matrix-vector products, their weighted sum
-    is not; cuBLAS, the split-KV attention and inductor's fused elementwise kernels as before."""
-    experts = [moe_decode._gemv_gate_up, moe_decode._gemv_down, moe_decode._gemv_down_pair]
-    assert [kernel_kind(k.__name__) for k in experts] == ["matrix"] * 3
-    assert kernel_kind(moe_decode._combine.__name__) == "other"
+    """The step's split by kind: the routed experts' Triton kernels are matrix-vector products; cuBLAS, the
+    split-KV attention and inductor's fused elementwise kernels as before."""
+    experts = [moe_decode._gemv_gate_up, moe_decode._gemv_down]
+    assert [kernel_kind(k.__name__) for k in experts] == ["matrix"] * 2
     assert kernel_kind("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT") == "matrix"
-    assert kernel_kind("_splitkv_partial") == "attention"
+    assert kernel_kind("_splitkv_partial") == "attention" and kernel_kind("_splitkv_merge") == "attention"
+    assert kernel_kind("_pair_rows") == "other"  # a name that is no _gemv_ kernel
     assert kernel_kind("triton_poi_fused__unsafe_view_mul_silu_split_5") == "other"
 
 

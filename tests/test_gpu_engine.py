@@ -107,6 +107,32 @@ def test_split_kv_attention_matches_sdpa(heads, kv, T, S, valid, monkeypatch):
         want = grouped_attention(q, k, v, mask)
         monkeypatch.setattr(decode_attention, "enabled", True)
         assert (got.float() - want.float()).abs().max().item() < 2e-2
+        counts = torch.zeros(kv, dtype=torch.int32, device="cuda")
+        merged_in_kernel = grouped_attention(q, k, v, mask, counts)
+        assert torch.equal(merged_in_kernel, got) and not counts.any()  # same sums in the same order; counts reset
+
+
+def test_split_kv_merge_in_kernel_replays_in_a_cuda_graph():
+    """The last block of each KV head merges and sets its count back to zero, so a captured call gives the
+    separate merge's bits on every replay, with new inputs each time."""
+    from engine.decode_attention import split_kv_attention
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(2, 8, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, 8, 4096, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    mask = torch.ones(1, 4096, dtype=torch.bool, device="cuda")
+    counts = torch.zeros(16, dtype=torch.int32, device="cuda")
+    split_kv_attention(q, k, v, mask, 1, counts)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = split_kv_attention(q, k, v, mask, 1, counts)
+    for i in range(5):
+        q.normal_(generator=g)
+        mask[0, 4096 - 500 * i:] = False
+        graph.replay()
+        assert torch.equal(out, split_kv_attention(q, k, v, mask, 1)), i
+    assert not counts.any()
 
 
 def test_training_attention_on_cuda_equals_the_stacked_masked_form():
@@ -235,3 +261,33 @@ def test_experts_route_few_tokens_through_moe_decode():
     x, w, idx = inputs(2)
     with torch.enable_grad():
         assert torch.equal(eb(x, w, idx), eb._all_experts(x, w, idx))
+
+
+def test_shared_experts_read_in_the_routed_experts_launches(monkeypatch):
+    """With the shared experts passed in, a decode step and a verify of 8 read them in moe_decode's two launches:
+    each token's bits the same alone or in the verify, and within bf16's roundings of the routed output plus the
+    shared MLP run apart (what the switch off runs, and what a prefill runs)."""
+    from engine import moe_decode
+    from engine.deepseek import Experts
+    from engine.model import MLP
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    E, H, I, k = 64, 2048, 1408, 6
+    eb = Experts(E, H, I).cuda().bfloat16()
+    mlp = MLP(H, 2 * I).cuda().bfloat16()
+    with torch.no_grad():
+        for t, fan_in in ((eb.gate_up_proj, H), (eb.down_proj, I), (mlp.w13.weight, H), (mlp.down_proj.weight, 2 * I)):
+            t.normal_(0, fan_in ** -0.5, generator=g)
+        idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:k] for _ in range(8)])
+        x = torch.randn(8, H, device="cuda", generator=g).bfloat16()
+        w = torch.rand(8, k, device="cuda", generator=g)
+        fused = eb(x, w, idx, mlp)
+        for i in range(8):
+            assert torch.equal(eb(x[i:i + 1], w[i:i + 1], idx[i:i + 1], mlp), fused[i:i + 1])
+        monkeypatch.setattr(moe_decode, "fuse_shared", False)
+        apart = eb(x, w, idx, mlp)
+        assert torch.equal(apart, eb(x, w, idx) + mlp(x))
+        scale = apart.float().abs().max().item()
+        diff = (fused.float() - apart.float()).abs().max().item()
+        assert diff < 2e-2 * scale  # another summation order for the shared MLP, the same roundings
+        assert (fused.float() - eb(x, w, idx).float()).abs().max().item() > 0.1 * scale  # the MLP is in it

@@ -17,6 +17,7 @@ SCRIPT = """
 import json
 import torch
 from engine.deepseek import Experts
+from engine.model import MLP
 from engine.moe_decode import routed_experts
 
 g = torch.Generator().manual_seed(0)
@@ -32,7 +33,7 @@ for E, H, I, k, N, blocks in [(8, 96, 40, 3, 1, (16, 16, 32)), (8, 96, 40, 3, 5,
         x = torch.randn(N, H, generator=g)
         idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])
         w = torch.rand(N, k, generator=g)
-        got = routed_experts(x, w, idx, ex.gate_up_proj, ex.down_proj, *blocks)
+        got = got_fp32 = routed_experts(x, w, idx, ex.gate_up_proj, ex.down_proj, *blocks)
         dense = ex._all_experts(x, w, idx)
         out[f"fp32 {E},{H},{I},{k},{N}"] = (got - dense).abs().max().item() / dense.abs().max().item()
         # bf16: the interpreter does not round to nearest even as a GPU does; the error against float32 math on
@@ -44,9 +45,16 @@ for E, H, I, k, N, blocks in [(8, 96, 40, 3, 1, (16, 16, 32)), (8, 96, 40, 3, 5,
         want = truth._all_experts(xb.float(), w, idx)
         got = routed_experts(xb, w, idx, eb.gate_up_proj, eb.down_proj, *blocks).float()
         out[f"bf16 {E},{H},{I},{k},{N}"] = (got - want).abs().max().item() / want.abs().max().item()
-        # the down projection split by pair, then summed: the same roundings in the same order
-        split = routed_experts(xb, w, idx, eb.gate_up_proj, eb.down_proj, *blocks, split_down=True).float()
-        out[f"split {E},{H},{I},{k},{N}"] = (split - got).abs().max().item()
+        # with the shared experts (one MLP) read in the same launches: what MoE.forward adds apart, rounded alike
+        mlp = MLP(H, 2 * I)
+        mlp.w13.weight.copy_(torch.randn(4 * I, H, generator=g) / H ** 0.5)
+        mlp.down_proj.weight.copy_(torch.randn(H, 2 * I, generator=g) / (2 * I) ** 0.5)
+        both = routed_experts(x, w, idx, ex.gate_up_proj, ex.down_proj, *blocks,
+                              shared=(mlp.w13.weight, mlp.down_proj.weight))
+        apart = routed_experts(x, w, idx, ex.gate_up_proj, ex.down_proj, *blocks) + mlp(x)
+        out[f"shared {E},{H},{I},{k},{N}"] = (both - apart).abs().max().item() / apart.abs().max().item()
+        # and without the MLP's output, the check above fails
+        out[f"noshared {E},{H},{I},{k},{N}"] = (both - got_fp32).abs().max().item() / apart.abs().max().item()
         # the same call with one slot's expert swapped must not agree: the check above can fail
         wrong, w1 = idx.clone(), w.clone()
         wrong[0, 0] = next(e for e in range(E) if e not in idx[0].tolist())
@@ -83,6 +91,8 @@ def test_a_wrong_expert_is_caught(errors):
     assert len(swapped) == 4 and min(swapped.values()) > 0.05, swapped
 
 
-def test_the_split_down_projection_gives_the_same_bits(errors):
-    split = {k: v for k, v in errors.items() if k.startswith("split")}
-    assert len(split) == 4 and max(split.values()) == 0.0, split
+def test_the_shared_experts_read_in_the_same_launches_add_their_mlp(errors):
+    shared = {k: v for k, v in errors.items() if k.startswith("shared")}
+    missing = {k: v for k, v in errors.items() if k.startswith("noshared")}
+    assert len(shared) == 4 and max(shared.values()) < 1e-5, shared
+    assert len(missing) == 4 and min(missing.values()) > 0.05, missing
