@@ -8,8 +8,8 @@ once), and the splits are merged by their log-sum-exp. Used by `engine.model.gro
 Triton is installed; everything else (CPU, long queries) takes SDPA. What it costs per step: baseline-decode's
 profile (docs/findings.md, section 6).
 
-The merge: with a cache's `merge_counts` (one int32 per batch row and KV head, zero between calls), the block that
-finishes a KV head's last split merges all of them in the same kernel (each block counts itself in with an atomic
+The merge: with a cache's `merge_counts` (one int32 per batch row and KV head, zero between calls) and few splits,
+the block that finishes a KV head's last split merges all of them in the same kernel (each block counts itself in with an atomic
 add; the last one also sets the count back to zero, so a CUDA graph replays it as captured). Without counts, a
 second kernel merges. Both sum the splits in split order, so the result does not depend on which block came last.
 """
@@ -26,6 +26,9 @@ except ImportError:  # CPU-only torch wheels come without Triton
 MAX_ROWS = 64  # query rows per KV head (query heads per KV head x tokens) this kernel takes
 BLOCK_N = 64  # cached positions per tile
 TARGET_BLOCKS = 264  # two blocks per SM of an H100/H200 (132 SMs)
+# Above this many splits (long contexts) a kernel of its own merges: the last block's merge reads every split's
+# partials alone while the second kernel's launch no longer weighs (docs/findings.md, section 23).
+FUSE_MAX_SPLITS = 16
 
 
 enabled = True  # benchmarks switch it off to time SDPA on the same model
@@ -128,7 +131,7 @@ def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     ml = torch.empty(B * n_kv * n_split * block_r, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(B, n_kv, R, DV, dtype=q.dtype, device=q.device)
     q, mask = q.contiguous(), mask.contiguous()
-    fused = merge_counts is not None and fuse_merge
+    fused = merge_counts is not None and fuse_merge and n_split <= FUSE_MAX_SPLITS
     if fused and (merge_counts.dtype != torch.int32 or merge_counts.numel() < B * n_kv):
         raise ValueError(f"merge_counts: int32 with at least {B * n_kv} elements")
     _splitkv_partial[(B * n_kv, n_split)](

@@ -207,12 +207,13 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, shared: MLP | None = None
                 ) -> torch.Tensor:
         """x [N, H]; weights, idx [N, k] -> [N, H], plus shared(x) when given (the MoE's shared experts). A decode
-        step or a verify (few tokens, on a GPU) runs the matrix-vector kernels of engine/moe_decode.py, which read
-        the shared experts' weights in the same launches; more tokens the grouped GEMM; training every expert."""
+        step or a verify (few tokens, on a GPU) runs the matrix-vector kernels of engine/moe_decode.py, which at one
+        token read the shared experts' weights in the same launches; more tokens the grouped GEMM; training every
+        expert."""
         if torch.is_grad_enabled():
             y = self._all_experts(x, weights, idx)
         elif moe_decode.available(x, idx.shape[1]):
-            if shared is not None and moe_decode.fuse_shared:
+            if shared is not None and moe_decode.fuse_shared and x.shape[0] <= moe_decode.SHARED_MAX_TOKENS:
                 return moe_decode.routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj,
                                                  shared=(shared.w13.weight, shared.down_proj.weight))
             y = moe_decode.routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj)

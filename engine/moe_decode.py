@@ -31,14 +31,17 @@ except ImportError:  # CPU-only torch wheels come without Triton
     triton = None
 
 MAX_PAIRS = 64  # (token, expert) pairs beyond which the grouped GEMM's sorted tiles read the weights fewer times
-# The blocks scripts/bench-moe-decode.py found fastest at one token on an H200 and close to the fastest at eight
-# (docs/findings.md, section 19). One set for every token count keeps each token's sums in the same order in a decode
-# step and in a verify.
-BLOCK_I = 8  # intermediate rows per _gemv_gate_up program (each reads gate and up rows: 2 x BLOCK_I rows)
-BLOCK_H = 8  # hidden rows per _gemv_down program
-BLOCK_K = 512  # reduction width per load
+# The blocks scripts/bench-moe-decode.py found fastest at one token on an H200 with the shared experts in, and close
+# to the fastest at eight (docs/findings.md, section 23). One set for every token count keeps each token's routed
+# sums in the same order in a decode step and in a verify.
+BLOCK_I = 4  # intermediate rows per _gemv_gate_up program (each reads gate and up rows: 2 x BLOCK_I rows)
+BLOCK_H = 2  # hidden rows per _gemv_down program
+BLOCK_K = 1024  # reduction width per load
 NUM_WARPS = 4
-fuse_shared = True  # deepseek.Experts passes the shared experts in; benchmarks switch it off to time them apart
+# A decode step's shared experts run in the routed experts' launches: each program reads its rows for one token, so
+# at more tokens cuBLAS's product, which reads them once for all, is quicker (the benchmark's rows at 8 tokens).
+SHARED_MAX_TOKENS = 1
+fuse_shared = True  # benchmarks switch it off to time the shared experts apart at one token too
 
 
 def available(x: torch.Tensor, top_k: int) -> bool:

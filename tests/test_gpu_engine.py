@@ -133,6 +133,9 @@ def test_split_kv_merge_in_kernel_replays_in_a_cuda_graph():
         graph.replay()
         assert torch.equal(out, split_kv_attention(q, k, v, mask, 1)), i
     assert not counts.any()
+    counts.fill_(1)  # counts not at zero: no block finds itself last, nothing merges - so the counts are read
+    q.normal_(generator=g)  # (and memory the allocator hands back holds no result for this q)
+    assert not torch.equal(split_kv_attention(q, k, v, mask, 1, counts), split_kv_attention(q, k, v, mask, 1))
 
 
 def test_training_attention_on_cuda_equals_the_stacked_masked_form():
@@ -264,9 +267,9 @@ def test_experts_route_few_tokens_through_moe_decode():
 
 
 def test_shared_experts_read_in_the_routed_experts_launches(monkeypatch):
-    """With the shared experts passed in, a decode step and a verify of 8 read them in moe_decode's two launches:
-    each token's bits the same alone or in the verify, and within bf16's roundings of the routed output plus the
-    shared MLP run apart (what the switch off runs, and what a prefill runs)."""
+    """A decode step (one token) reads the shared experts in moe_decode's two launches; a verify of 8 runs them as
+    cuBLAS's product, apart. Within bf16's roundings of each other (another summation order for the shared MLP),
+    and the routed part the same bits either way."""
     from engine import moe_decode
     from engine.deepseek import Experts
     from engine.model import MLP
@@ -281,13 +284,16 @@ def test_shared_experts_read_in_the_routed_experts_launches(monkeypatch):
         idx = torch.stack([torch.randperm(E, device="cuda", generator=g)[:k] for _ in range(8)])
         x = torch.randn(8, H, device="cuda", generator=g).bfloat16()
         w = torch.rand(8, k, device="cuda", generator=g)
-        fused = eb(x, w, idx, mlp)
+        verify = eb(x, w, idx, mlp)
+        assert torch.equal(verify, eb(x, w, idx) + mlp(x))  # 8 tokens: the shared MLP apart
+        routed = eb(x, w, idx)
         for i in range(8):
-            assert torch.equal(eb(x[i:i + 1], w[i:i + 1], idx[i:i + 1], mlp), fused[i:i + 1])
+            one = eb(x[i:i + 1], w[i:i + 1], idx[i:i + 1], mlp)
+            assert torch.equal(one, moe_decode.routed_experts(x[i:i + 1], w[i:i + 1], idx[i:i + 1], eb.gate_up_proj,
+                                                              eb.down_proj, shared=(mlp.w13.weight,
+                                                                                    mlp.down_proj.weight)))
+            scale = verify[i].float().abs().max().item()
+            assert (one.float() - verify[i:i + 1].float()).abs().max().item() < 2e-2 * scale
+            assert (one.float() - routed[i:i + 1].float()).abs().max().item() > 0.1 * scale  # the MLP is in it
         monkeypatch.setattr(moe_decode, "fuse_shared", False)
-        apart = eb(x, w, idx, mlp)
-        assert torch.equal(apart, eb(x, w, idx) + mlp(x))
-        scale = apart.float().abs().max().item()
-        diff = (fused.float() - apart.float()).abs().max().item()
-        assert diff < 2e-2 * scale  # another summation order for the shared MLP, the same roundings
-        assert (fused.float() - eb(x, w, idx).float()).abs().max().item() > 0.1 * scale  # the MLP is in it
+        assert torch.equal(eb(x[:1], w[:1], idx[:1], mlp), routed[:1] + mlp(x[:1]))
