@@ -36,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from graph_timing import graph_of, us_per_call  # noqa: E402
+
 MODULES = ("decode_attention", "moe_decode")
 REPLAYS = 10
 # (label, query heads, KV heads, head dim, cache length, valid positions, tokens, layers a graph)
@@ -75,35 +77,14 @@ def takes(fn: Callable, name: str) -> bool:
     return name in inspect.signature(fn).parameters
 
 
-def graph_of(calls: list[Callable[[], torch.Tensor]]) -> torch.cuda.CUDAGraph:
-    for c in calls:  # compile the kernels, warm the allocator
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(REPLAYS):
-            for c in calls:
-                c()
-    return g
-
-
-def time_us(g: torch.cuda.CUDAGraph, calls: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / (REPLAYS * calls)
-
-
 def compare(case: str, old: list[Callable], new: list[Callable], samples: int) -> dict:
     with torch.no_grad():
         same = torch.equal(old[0](), new[0]())
-        graphs = {"old": graph_of(old), "new": graph_of(new)}
+        graphs = {"old": graph_of(old, REPLAYS), "new": graph_of(new, REPLAYS)}
     times: dict[str, list[float]] = {"old": [], "new": []}
     for i in range(samples):
         for side in ("old", "new") if i % 2 == 0 else ("new", "old"):
-            times[side].append(time_us(graphs[side], len(old)))
+            times[side].append(us_per_call(graphs[side], REPLAYS * len(old)))
     o, n = statistics.median(times["old"]), statistics.median(times["new"])
     return {"case": case, "old_us": o, "new_us": n, "new_over_old": n / o, "same_bits": same,
             "spread_old": max(times["old"]) / min(times["old"]), "spread_new": max(times["new"]) / min(times["new"])}

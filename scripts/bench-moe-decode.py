@@ -31,6 +31,7 @@ from engine import moe_decode  # noqa: E402
 from engine.deepseek import Experts  # noqa: E402
 from engine.model import MLP  # noqa: E402
 from engine.shapes import SHAPES  # noqa: E402
+from graph_timing import graph_of, us_per_call  # noqa: E402
 
 REPLAYS = 20
 # (block_i, block_h, block_k, num_warps); the engine's own (engine/moe_decode.py) first
@@ -56,27 +57,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if min(a.tokens) < 1 or a.layers < 1 or a.samples < 3:
         p.error("--tokens and --layers at least 1, --samples at least 3")
     return a
-
-
-def graph_of(calls) -> torch.cuda.CUDAGraph:
-    for c in calls:  # compile the kernels, warm the allocator
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(REPLAYS):
-            for c in calls:
-                c()
-    return g
-
-
-def time_us(g: torch.cuda.CUDAGraph) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000
 
 
 def main(argv: list[str]) -> int:
@@ -122,13 +102,13 @@ def main(argv: list[str]) -> int:
                 for x, w, r in calls]
         with torch.no_grad():
             want = [(ex._grouped(x, w, r) + mlp(x)).float() for x, w, r in calls]
-            graphs = {name: graph_of(calls) for name, calls in variants.items()}
+            graphs = {name: graph_of(calls, REPLAYS) for name, calls in variants.items()}
             diffs = {name: max((c().float() - t).abs().max().item() for c, t in zip(fns, want))
                      for name, fns in variants.items()}
         samples: dict[str, list[float]] = {name: [] for name in graphs}
         for _ in range(a.samples):  # interleaved
             for name, g in graphs.items():
-                samples[name].append(time_us(g) / (REPLAYS * a.layers))
+                samples[name].append(us_per_call(g, REPLAYS * a.layers))
         for name, s in samples.items():
             us = statistics.median(s)
             rows.append({"tokens": n, "variant": name, "us_per_layer": us, "gb_s": read / us / 1e3,

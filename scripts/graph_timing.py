@@ -1,0 +1,31 @@
+"""Timing kernels inside one CUDA graph, for the GPU benchmarks of scripts/ (bench-moe-decode.py, ab-kernels.py):
+a graph holds `replays` rounds of the calls, so launch gaps weigh as they do in a captured decode step."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def graph_of(calls: Sequence[Callable[[], object]], replays: int) -> torch.cuda.CUDAGraph:
+    """One graph of `replays` rounds of the calls, after one eager round (compiles the kernels, warms the
+    allocator)."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(replays):
+            for c in calls:
+                c()
+    return g
+
+
+def us_per_call(g: torch.cuda.CUDAGraph, calls: int) -> float:
+    """Microseconds per call of one replay of a graph of `calls` calls (every round's), by CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / calls
