@@ -34,6 +34,7 @@ from engine.bench import random_prompt  # noqa: E402
 from engine.loading import random_model  # noqa: E402
 from engine.shapes import SHAPES  # noqa: E402
 from engine.target_decoder import TargetDecoder  # noqa: E402
+from gpu_bench import NO_CUDA, cuda_missing  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -65,9 +66,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("no CUDA device here: this A/B times the compiled CUDA-graph decode", file=sys.stderr)
-        return 3
+    if cuda_missing("this A/B times the compiled CUDA-graph decode"):
+        return NO_CUDA
     model = random_model(a.shape, torch.device("cuda"), torch.bfloat16, seed=0)
     max_seq_len = -(-(a.prompt_len + a.new_tokens) // 128) * 128  # as engine.bench sizes its cache
     prompt = random_prompt(model.cfg.vocab_size, a.prompt_len, 0)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from graph_timing import graph_of, us_per_call  # noqa: E402
+from gpu_bench import NO_CUDA, cuda_missing, graph_of, us_per_call  # noqa: E402
 
 MODULES = ("decode_attention", "moe_decode")
 REPLAYS = 10
@@ -149,9 +149,8 @@ def moe_rows(old: ModuleType, samples: int, gen: torch.Generator) -> list[dict]:
 
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("no CUDA device here: this A/B times GPU kernels", file=sys.stderr)
-        return 3
+    if cuda_missing("this A/B times GPU kernels"):
+        return NO_CUDA
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name in a.found:

@@ -31,7 +31,7 @@ from engine import moe_decode  # noqa: E402
 from engine.deepseek import Experts  # noqa: E402
 from engine.model import MLP  # noqa: E402
 from engine.shapes import SHAPES  # noqa: E402
-from graph_timing import graph_of, us_per_call  # noqa: E402
+from gpu_bench import NO_CUDA, cuda_missing, graph_of, us_per_call  # noqa: E402
 
 REPLAYS = 20
 # (block_i, block_h, block_k, num_warps); the engine's own (engine/moe_decode.py) first
@@ -61,9 +61,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     a = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("no CUDA device here: this benchmark times GPU kernels", file=sys.stderr)
-        return 3
+    if cuda_missing("this benchmark times GPU kernels"):
+        return NO_CUDA
     cfg = SHAPES[a.shape]
     E, H, I, k = cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -1,10 +1,23 @@
-"""Timing kernels inside one CUDA graph, for the GPU benchmarks of scripts/ (bench-moe-decode.py, ab-kernels.py):
-a graph holds `replays` rounds of the calls, so launch gaps weigh as they do in a captured decode step."""
+"""What the GPU benchmarks of scripts/ (bench-moe-decode.py, ab-kernels.py, ab-decode.py) share: their refusal
+without a GPU (exit 3), and timing calls inside one CUDA graph, which holds `replays` rounds of them so that launch
+gaps weigh as they do in a captured decode step."""
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
+
+NO_CUDA = 3  # the exit code of a GPU benchmark on a machine without one
+
+
+def cuda_missing(what: str) -> bool:
+    """True, with a one-line reason on stderr, where this machine has no CUDA device; `what` says what the script
+    would time there."""
+    if torch.cuda.is_available():
+        return False
+    print(f"no CUDA device here: {what}", file=sys.stderr)
+    return True
 
 
 def graph_of(calls: Sequence[Callable[[], object]], replays: int) -> torch.cuda.CUDAGraph:
