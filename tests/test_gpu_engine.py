@@ -306,6 +306,7 @@ def test_gemv_linear_on_cuda(n, k, bias, monkeypatch):
     CUDA graph and under torch.compile); at two rows, or switched off, it is cuBLAS's F.linear exactly."""
     from engine import gemv
 
+    monkeypatch.setattr(gemv, "enabled", True)  # whether the engine's default has it on or off
     g = torch.Generator(device="cuda").manual_seed(3)
     lin = gemv.Linear(k, n, bias=bias).cuda().bfloat16()
     lin.weight.normal_(0, k ** -0.5, generator=g)
