@@ -1,4 +1,4 @@
-"""One-row products (a decode step's projections) in Triton, for the weights cuBLAS streams below copy bandwidth.
+"""One-row products (a decode step's projections) in Triton, streaming nearer the copy bandwidth than cuBLAS.
 
 At one row cuBLAS runs a GEMV kernel per projection. The large ones (the 8B shape's gate/up, every lm_head) stream
 at about the copy bandwidth; the small ones (q/k/v, the output projection, the down projection) stream well below it,
@@ -13,7 +13,7 @@ accumulator; the bias (if any) is added in float32 before the one rounding, as c
 is fixed by the block sizes, never by the GPU's timing: the same inputs give the same bits every call.
 
 `Linear` is the model's projection: an nn.Linear (same parameters, same state dict) whose forward takes this kernel
-for one row of half-precision CUDA input without autograd and at most MAX_WEIGHT weight elements, cuBLAS otherwise.
+for one row of half-precision CUDA input without autograd, cuBLAS otherwise.
 Every other forward (verify, prefill, training, CPU) is nn.Linear's. On CPU tensors the kernel runs in Triton's
 interpreter (TRITON_INTERPRET=1), which is how tests/test_gemv.py checks it.
 """
@@ -29,12 +29,19 @@ try:
 except ImportError:  # CPU-only torch wheels come without Triton
     triton = None
 
-# Weights above this many elements keep cuBLAS: its kernels for the largest one-row products already stream at about
-# the copy bandwidth (the 8B shape's gate/up has 117M elements, lm_heads more).
-MAX_WEIGHT = 64 * 2 ** 20
+MAX_WEIGHT = 2 ** 31 - 1  # weight elements beyond which offsets would overflow int32: cuBLAS then
 BLOCK_N = 4  # output rows per program
-BLOCK_K = 1024  # reduction width per load
-NUM_WARPS = 4
+BLOCK_K = 2048  # reduction width per load
+NUM_WARPS = 8
+# Past this K the unrolled loads of a program no longer fit its registers at the width above (a down projection of
+# 14336 inputs ran slower than cuBLAS's): narrower loads, fewer warps.
+WIDE_K = 8192
+LONG_K_BLOCKS = (4, 1024, 4)
+
+
+def blocks(k: int) -> tuple[int, int, int]:
+    """(block_n, block_k, num_warps) for a reduction of k: what scripts/bench-gemv.py found fastest per product."""
+    return (BLOCK_N, BLOCK_K, NUM_WARPS) if k <= WIDE_K else LONG_K_BLOCKS
 
 enabled = True  # benchmarks switch it off to time cuBLAS at every one-row product
 
@@ -67,11 +74,13 @@ if triton is not None:
         tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=in_rows)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int = BLOCK_N,
-         block_k: int = BLOCK_K, num_warps: int = NUM_WARPS) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
+         block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """x [..., K] holding one row; weight [N, K] contiguous along K; bias [N] or None -> [..., N] in x's dtype:
-    F.linear(x, weight, bias). The block sizes are the benchmark's to sweep (powers of two)."""
+    F.linear(x, weight, bias). The block sizes (powers of two) default to `blocks(K)`; the benchmark sweeps them."""
     N, K = weight.shape
+    dn, dk, dw = blocks(K)
+    block_n, block_k, num_warps = block_n or dn, block_k or dk, num_warps or dw
     if x.numel() != K or weight.stride(-1) != 1:
         raise ValueError(f"gemv: one row of {K} inputs and a weight contiguous along K, got x {tuple(x.shape)}")
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)

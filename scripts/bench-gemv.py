@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time a decode step's one-row products per shape: cuBLAS (F.linear) against engine/gemv.py's kernel at several
 block sizes and warp counts, on a GPU (issue 18: decode nearer the bandwidth limit). The row marked (engine) is what
-engine.gemv.Linear runs; products over engine.gemv.MAX_WEIGHT elements keep cuBLAS in the engine.
+engine.gemv.Linear runs at that product's width (engine.gemv.blocks).
 
     python scripts/bench-gemv.py [--shape llama-3.1-8b,llama-3.2-1b,deepseek-v3-mini] [--samples 7] [--json]
 
@@ -33,9 +33,8 @@ from gpu_bench import NO_CUDA, cuda_missing, graph_of, us_per_call  # noqa: E402
 
 REPLAYS = 20
 MIN_BYTES = 256 * 2 ** 20  # weight bytes per graph round: five times an H200's L2
-# (block_n, block_k, num_warps); the engine's own first
-CONFIGS = [(gemv.BLOCK_N, gemv.BLOCK_K, gemv.NUM_WARPS), (2, 1024, 4), (8, 1024, 4), (4, 512, 4), (8, 512, 8),
-           (4, 2048, 8)]
+# (block_n, block_k, num_warps)
+CONFIGS = [(4, 2048, 8), (4, 1024, 4), (2, 1024, 4), (2, 2048, 8), (8, 1024, 4), (4, 512, 4)]
 
 
 def products(shape: str) -> list[tuple[str, int, int]]:
@@ -78,7 +77,7 @@ def time_product(n: int, k: int, samples: int, gen: torch.Generator) -> list[dic
     x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
     variants = {"cuBLAS": [lambda w=w: F.linear(x, w) for w in ws]}
     for bn, bk, nw in CONFIGS:
-        tag = f"gemv {bn}/{bk}/{nw}" + (" (engine)" if (bn, bk, nw) == CONFIGS[0] else "")
+        tag = f"gemv {bn}/{bk}/{nw}" + (" (engine)" if (bn, bk, nw) == gemv.blocks(k) else "")
         variants[tag] = [lambda w=w, bn=bn, bk=bk, nw=nw: gemv.gemv(x, w, None, bn, bk, nw) for w in ws]
     with torch.no_grad():
         want = F.linear(x, ws[0]).float()
@@ -103,7 +102,8 @@ def main(argv: list[str]) -> int:
     for shape in a.shapes:
         for name, n, k in products(shape):
             engine_takes = n * k <= gemv.MAX_WEIGHT
-            out.append({"shape": shape, "product": name, "n": n, "k": k, "engine": "gemv" if engine_takes else "cuBLAS",
+            out.append({"shape": shape, "product": name, "n": n, "k": k,
+                        "engine": "gemv" if engine_takes else "cuBLAS",
                         "rows": time_product(n, k, a.samples, gen)})
     if a.json:
         print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "samples": a.samples,
