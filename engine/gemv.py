@@ -31,23 +31,25 @@ except ImportError:  # CPU-only torch wheels come without Triton
 
 MAX_WEIGHT = 2 ** 31 - 1  # weight elements beyond which offsets would overflow int32: cuBLAS then
 BLOCK_N = 4  # output rows per program
-BLOCK_K = 2048  # reduction width per load
-NUM_WARPS = 8
-# Past this K the unrolled loads of a program no longer fit its registers at the width above (a down projection of
-# 14336 inputs ran slower than cuBLAS's): narrower loads, fewer warps.
-WIDE_K = 8192
-LONG_K_BLOCKS = (4, 1024, 4)
+# (block_n, block_k, num_warps) by the reduction's width K, from scripts/bench-gemv.py on a lent H200
+# (docs/findings.md, section 24): wide loads and eight warps in general; past WIDE_K a program's unrolled loads no
+# longer fit its registers at that width (a down projection of 14336 inputs ran slower than cuBLAS's), and at
+# K <= 1024 a 2048-wide load is mostly masked.
+NARROW_K, WIDE_K = 1024, 12288
+NARROW_BLOCKS = (BLOCK_N, 1024, 4)
+WIDE_BLOCKS = (BLOCK_N, 2048, 8)
 
 
 def blocks(k: int) -> tuple[int, int, int]:
-    """(block_n, block_k, num_warps) for a reduction of k: what scripts/bench-gemv.py found fastest per product."""
-    return (BLOCK_N, BLOCK_K, NUM_WARPS) if k <= WIDE_K else LONG_K_BLOCKS
+    """(block_n, block_k, num_warps) for a reduction of k inputs."""
+    return WIDE_BLOCKS if NARROW_K < k <= WIDE_K else NARROW_BLOCKS
+
 
 enabled = True  # benchmarks switch it off to time cuBLAS at every one-row product
 
 
 def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One row of half-precision CUDA input, no autograd, a weight small enough and contiguous along K."""
+    """One row of half-precision CUDA input, no autograd, a weight contiguous along K."""
     return (enabled and triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and weight.dtype == x.dtype and x.numel() == x.shape[-1] and weight.numel() <= MAX_WEIGHT
             and weight.stride(-1) == 1 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
