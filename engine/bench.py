@@ -136,14 +136,16 @@ def forward_costs(model, start: int, sizes: tuple[int, ...], graphs: bool) -> di
 
 @torch.no_grad()
 def gemv_floor_ms(model) -> float:
-    """ms for the decode step's matrix-vector products alone: each linear layer's weight (shared ones once) times
-    one token's input, back to back in one CUDA graph (eagerly on CPU). What a step costs beyond it is attention,
-    norms, RoPE, cache writes, sampling and launch gaps."""
-    weights = list({id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}.values())
-    xs = {f"x{i}": torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for i, w in enumerate(weights)}
+    """ms for the decode step's matrix-vector products alone: each linear layer (shared weights once) on one
+    token's input, by the layer's own forward (engine.gemv's kernel or cuBLAS, as in a step), back to back in one
+    CUDA graph (eagerly on CPU). What a step costs beyond it is attention, norms, RoPE, cache writes, sampling and
+    launch gaps."""
+    layers = list({id(m.weight): m for m in model.modules() if isinstance(m, torch.nn.Linear)}.values())
+    xs = {f"x{i}": torch.randn(1, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
+          for i, m in enumerate(layers)}
 
     def gemvs(**x: torch.Tensor) -> list[torch.Tensor]:
-        return [torch.nn.functional.linear(x[f"x{i}"], w) for i, w in enumerate(weights)]
+        return [m(x[f"x{i}"]) for i, m in enumerate(layers)]
 
     call = CapturedCall(gemvs, xs, enabled=model.device.type == "cuda")
     return 1000 * time_fn(call, model.device, iters=20 if model.device.type == "cuda" else 5)

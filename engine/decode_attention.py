@@ -77,9 +77,10 @@ if triton is not None:
             l = l * alpha + tl.sum(p, 1)
             m = m_new
         base = (bh * N_SPLIT + split) * BLOCK_R
-        tl.store(O + (base + rows[:, None]) * DV + dv[None, :], acc)
-        tl.store(ML + (base + rows) * 2, m)
-        tl.store(ML + (base + rows) * 2 + 1, l)
+        real = rows < R  # tl.dot's padding rows (BLOCK_R >= 16) are neither stored nor merged
+        tl.store(O + (base + rows[:, None]) * DV + dv[None, :], acc, mask=real[:, None])
+        tl.store(ML + (base + rows) * 2, m, mask=real)
+        tl.store(ML + (base + rows) * 2 + 1, l, mask=real)
         if FUSED_MERGE:
             tl.debug_barrier()  # every thread's partial stored before the count says so (the atomic releases them)
             done = tl.atomic_add(Counts + bh, 1, sem="acq_rel", scope="gpu")
@@ -93,21 +94,24 @@ if triton is not None:
         """The splits of one KV head, by log-sum-exp, in split order. Loads bypass L1 (.cg): other blocks wrote
         them in this kernel. The loops unroll, so every split's loads are in flight at once."""
         rows = tl.arange(0, BLOCK_R)
+        real = rows < R  # only the real rows were stored: the padding rows' loads are masked off, never read
         dv = tl.arange(0, DV)
         m_all = tl.full([BLOCK_R], float("-inf"), tl.float32)
         for i in tl.static_range(N_SPLIT):
-            m_all = tl.maximum(m_all, tl.load(ML + ((bh * N_SPLIT + i) * BLOCK_R + rows) * 2, cache_modifier=".cg"))
+            m_all = tl.maximum(m_all, tl.load(ML + ((bh * N_SPLIT + i) * BLOCK_R + rows) * 2, mask=real,
+                                              other=float("-inf"), cache_modifier=".cg"))
         m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
         l = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, DV], tl.float32)
         for i in tl.static_range(N_SPLIT):
             base = (bh * N_SPLIT + i) * BLOCK_R
-            w = tl.exp(tl.load(ML + (base + rows) * 2, cache_modifier=".cg") - m_all)
-            l += w * tl.load(ML + (base + rows) * 2 + 1, cache_modifier=".cg")
-            acc += w[:, None] * tl.load(O + (base + rows[:, None]) * DV + dv[None, :], cache_modifier=".cg")
+            w = tl.exp(tl.load(ML + (base + rows) * 2, mask=real, other=float("-inf"), cache_modifier=".cg") - m_all)
+            l += w * tl.load(ML + (base + rows) * 2 + 1, mask=real, other=0.0, cache_modifier=".cg")
+            acc += w[:, None] * tl.load(O + (base + rows[:, None]) * DV + dv[None, :], mask=real[:, None], other=0.0,
+                                        cache_modifier=".cg")
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # padding rows have l = 0
         tl.store(Out + out_off + rows[:, None] * so_r + dv[None, :], out.to(Out.dtype.element_ty),
-                 mask=rows[:, None] < R)
+                 mask=real[:, None])
 
     @triton.jit
     def _splitkv_merge(O, ML, Out, so_b, so_h, so_r, n_kv,

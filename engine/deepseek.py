@@ -23,6 +23,7 @@ from engine import moe_decode
 from engine.cache import MLACache
 from engine.config import ModelConfig, check_mla
 from engine.errors import EngineError
+from engine.gemv import Linear
 from engine.model import MLP, RMSNorm
 from engine.rope import apply_rope, yarn_mscale
 
@@ -55,13 +56,13 @@ class MLAttention(nn.Module):
         # q's first projection and kv_a_proj_with_mqa read the same input: one fused GEMV.
         q_in = ("q_a_proj", self.q_lora) if self.q_lora else ("q_proj", qk)
         self.split = {"wa": (q_in, ("kv_a_proj_with_mqa", self.rank + self.rope))}
-        self.wa = nn.Linear(cfg.hidden_size, q_in[1] + self.rank + self.rope, bias=cfg.attention_bias)
+        self.wa = Linear(cfg.hidden_size, q_in[1] + self.rank + self.rope, bias=cfg.attention_bias)
         if self.q_lora:
             self.q_a_layernorm = RMSNorm(self.q_lora, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(self.q_lora, qk, bias=False)
+            self.q_b_proj = Linear(self.q_lora, qk, bias=False)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.rank, H * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(H * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.kv_b_proj = Linear(self.rank, H * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(H * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
         fused = f"{q_in[0]} + kv_a_proj_with_mqa, fused: " + ("q_lora_rank" if self.q_lora else
                                                               "num_attention_heads, qk_nope_head_dim")
         self.shape_fields = {

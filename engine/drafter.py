@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 
 from engine.config import ModelConfig
 from engine.errors import EngineError
+from engine.gemv import Linear
 from engine.loading import init_weights, load_state, read_config, read_safetensors, resolve_dtype, weight_files
 from engine.model import DEFAULT_ROPE_LEN, MLP, Attention, RMSNorm, StaticCacheModule, hf_to_internal, internal_to_hf
 
@@ -141,10 +142,10 @@ class Eagle3Drafter(StaticCacheModule):
         super().__init__()
         self.cfg, self.aux_layers = cfg, tuple(aux_layers)
         mc = cfg.model
-        self.fc = nn.Linear(3 * cfg.feature_size, mc.hidden_size, bias=False)
+        self.fc = Linear(3 * cfg.feature_size, mc.hidden_size, bias=False)
         self.midlayer = MidLayer(mc)
         self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
-        self.lm_head = nn.Linear(mc.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.lm_head = Linear(mc.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(mc.vocab_size, dtype=torch.bool))
         # The target's table sits in a tuple so that it is not registered: not saved, trained or moved with us.

@@ -1,8 +1,9 @@
 """The target model: one Transformer for every family, a static KV cache, and forwards of T tokens at given
 positions with an explicit mask - decode (T=1), chunked prefill and (tree) verification all use the same call.
 
-Weights are kept fused (q/k/v in `wqkv`, gate/up in `w13`) so a decode step launches fewer, larger GEMVs;
-`hf_to_internal` / `internal_to_hf` translate to and from the Hugging Face layout.
+Weights are kept fused (q/k/v in `wqkv`, gate/up in `w13`) so a decode step launches fewer, larger GEMVs (at one
+row the smaller ones take `engine.gemv.Linear`'s kernel); `hf_to_internal` / `internal_to_hf` translate to and from
+the Hugging Face layout.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from engine import decode_attention
 from engine.cache import KVCache
 from engine.config import ModelConfig
 from engine.errors import EngineError
+from engine.gemv import Linear
 from engine.rope import apply_rope, rope_tables
 
 DEFAULT_ROPE_LEN = 4096
@@ -43,8 +45,8 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_out, kv_out = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.split = {"wqkv": (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out))}
-        self.wqkv = nn.Linear(in_dim or cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=False)
+        self.wqkv = Linear(in_dim or cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
+        self.o_proj = Linear(q_out, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.cache: KVCache | None = None
@@ -104,8 +106,8 @@ class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.split = {"w13": (("gate_proj", hidden), ("up_proj", hidden))}
-        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.w13 = Linear(dim, 2 * hidden, bias=False)
+        self.down_proj = Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -171,7 +173,7 @@ class Transformer(StaticCacheModule):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, *block_parts(cfg, i)) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope_cfg, self.rope_dim = cfg, cfg.qk_rope_head_dim if cfg.is_mla else cfg.head_dim

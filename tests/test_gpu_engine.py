@@ -297,3 +297,39 @@ def test_shared_experts_read_in_the_routed_experts_launches(monkeypatch):
             assert (one.float() - routed[i:i + 1].float()).abs().max().item() > 0.1 * scale  # the MLP is in it
         monkeypatch.setattr(moe_decode, "fuse_shared", False)
         assert torch.equal(eb(x[:1], w[:1], idx[:1], mlp), routed[:1] + mlp(x[:1]))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("n,k,bias", [(6144, 4096, False), (4096, 14336, False), (3072, 2048, True), (1344, 2048, False)])
+def test_gemv_linear_on_cuda(n, k, bias, monkeypatch):
+    """engine.gemv.Linear at one bf16 row takes the kernel (within bf16's roundings of cuBLAS, the same bits in a
+    CUDA graph and under torch.compile); at two rows, or switched off, it is cuBLAS's F.linear exactly."""
+    from engine import gemv
+
+    monkeypatch.setattr(gemv, "enabled", True)  # whether the engine's default has it on or off
+    g = torch.Generator(device="cuda").manual_seed(3)
+    lin = gemv.Linear(k, n, bias=bias).cuda().bfloat16()
+    lin.weight.normal_(0, k ** -0.5, generator=g)
+    x = torch.randn(1, 1, k, device="cuda", generator=g).bfloat16()
+    assert gemv.available(x, lin.weight)
+    calls, kernel = [], gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    one = lin(x)
+    x2 = torch.randn(1, 2, k, device="cuda", generator=g).bfloat16()
+    assert torch.equal(lin(x2), torch.nn.functional.linear(x2, lin.weight, lin.bias))
+    assert calls == [x.shape]  # the one-row forward took the kernel, the two-row one did not
+    monkeypatch.setattr(gemv, "gemv", kernel)
+    assert torch.equal(one, gemv.gemv(x, lin.weight, lin.bias))
+    cublas = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    scale = cublas.float().abs().max().item()
+    assert (one.float() - cublas.float()).abs().max().item() < 2e-2 * scale  # another order, the same product
+    monkeypatch.setattr(gemv, "enabled", False)
+    assert torch.equal(lin(x), cublas)
+    monkeypatch.setattr(gemv, "enabled", True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = lin(x)
+    x.normal_(generator=g)
+    graph.replay()
+    assert torch.equal(captured, gemv.gemv(x, lin.weight, lin.bias))
+    assert torch.equal(torch.compile(lin, fullgraph=True)(x), captured)

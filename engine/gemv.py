@@ -1,0 +1,101 @@
+"""One-row products (a decode step's projections) in Triton, streaming nearer the copy bandwidth than cuBLAS.
+
+At one row cuBLAS runs a GEMV kernel per projection. The large ones (the 8B shape's gate/up, every lm_head) stream
+at about the copy bandwidth; the small ones (q/k/v, the output projection, the down projection) stream well below it,
+and those it splits along K end in a second kernel that sums the splits (`splitKreduce`, two a layer at the 8B
+shape): baseline-decode's profile (docs/findings.md, section 6). Here one kernel does the whole product: each
+program reads BLOCK_N whole weight rows against the row of x and writes BLOCK_N outputs, so nothing is split along
+K and no second kernel sums anything. K is a compile-time constant: the loop over it unrolls and a program's loads
+are all in flight at once, as in engine/moe_decode.py.
+
+Sums: each program accumulates x * w elementwise in float32 across the K chunks in order, then sums the chunk-wide
+accumulator; the bias (if any) is added in float32 before the one rounding, as cuBLAS's epilogue adds it. The order
+is fixed by the block sizes, never by the GPU's timing: the same inputs give the same bits every call.
+
+`Linear` is the model's projection: an nn.Linear (same parameters, same state dict) whose forward takes this kernel
+for one row of half-precision CUDA input without autograd, cuBLAS otherwise.
+Every other forward (verify, prefill, training, CPU) is nn.Linear's. On CPU tensors the kernel runs in Triton's
+interpreter (TRITON_INTERPRET=1), which is how tests/test_gemv.py checks it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch wheels come without Triton
+    triton = None
+
+MAX_WEIGHT = 2 ** 31 - 1  # weight elements beyond which offsets would overflow int32: cuBLAS then
+BLOCK_N = 4  # output rows per program
+# (block_n, block_k, num_warps) by the reduction's width K, from scripts/bench-gemv.py on a lent H200
+# (docs/findings.md, section 24): wide loads and eight warps in general; past WIDE_K a program's unrolled loads no
+# longer fit its registers at that width (a down projection of 14336 inputs ran slower than cuBLAS's), and at
+# K <= 1024 a 2048-wide load is mostly masked.
+NARROW_K, WIDE_K = 1024, 12288
+NARROW_BLOCKS = (BLOCK_N, 1024, 4)
+WIDE_BLOCKS = (BLOCK_N, 2048, 8)
+
+
+def blocks(k: int) -> tuple[int, int, int]:
+    """(block_n, block_k, num_warps) for a reduction of k inputs."""
+    return WIDE_BLOCKS if NARROW_K < k <= WIDE_K else NARROW_BLOCKS
+
+
+enabled = True  # benchmarks switch it off to time cuBLAS at every one-row product
+
+
+def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One row of half-precision CUDA input, no autograd, a weight contiguous along K."""
+    return (enabled and triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and x.numel() == x.shape[-1] and weight.numel() <= MAX_WEIGHT
+            and weight.stride(-1) == 1 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_rows(X, W, Bias, Y, N, sw_n, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   HAS_BIAS: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_rows = rows < N
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            in_cols = cols < K
+            x = tl.load(X + cols, mask=in_cols, other=0.0).to(tl.float32)
+            w = tl.load(W + rows[:, None] * sw_n + cols[None, :], mask=in_rows[:, None] & in_cols[None, :],
+                        other=0.0, eviction_policy="evict_first")  # read once: keep x in cache, not w
+            acc += w.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(Bias + rows, mask=in_rows, other=0.0).to(tl.float32)
+        tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=in_rows)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
+         block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """x [..., K] holding one row; weight [N, K] contiguous along K; bias [N] or None -> [..., N] in x's dtype:
+    F.linear(x, weight, bias). The block sizes (powers of two) default to `blocks(K)`; the benchmark sweeps them."""
+    N, K = weight.shape
+    dn, dk, dw = blocks(K)
+    block_n, block_k, num_warps = block_n or dn, block_k or dk, num_warps or dw
+    if x.numel() != K or weight.stride(-1) != 1:
+        raise ValueError(f"gemv: one row of {K} inputs and a weight contiguous along K, got x {tuple(x.shape)}")
+    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    _gemv_rows[(triton.cdiv(N, block_n),)](
+        x.contiguous(), weight, bias if bias is not None else weight, y, N, weight.stride(0), K=K, BLOCK_N=block_n,
+        BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=num_warps)
+    return y
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose one-row half-precision CUDA forwards take `gemv` (see the module's docstring)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if available(x, self.weight):
+            return gemv(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)

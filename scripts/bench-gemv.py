@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Time a decode step's one-row products per shape: cuBLAS (F.linear) against engine/gemv.py's kernel at several
+block sizes and warp counts, on a GPU (issue 18: decode nearer the bandwidth limit). The row marked (engine) is what
+engine.gemv.Linear runs at that product's width (engine.gemv.blocks).
+
+    python scripts/bench-gemv.py [--shape llama-3.1-8b,llama-3.2-1b,deepseek-v3-mini] [--samples 7] [--json]
+
+Each product of a shape (q/k/v, output, gate/up, down, lm_head; MLA's fused first projection and q_b for the MLA
+shape) runs as one CUDA graph of calls on distinct copies of the weight (enough bytes that they come from HBM, not
+L2), replayed 20 times per sample; the samples of every variant are interleaved, so a change of the GPU's clock hits
+all alike. Reports the median microseconds per product, the bandwidth that implies against the weight's bytes, and
+the spread (max/min) of the samples. The output is a measurement to decide with, not a record.
+
+Exit: 0 measured; 2 bad arguments; 3 no CUDA device here.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from engine import gemv  # noqa: E402
+from engine.config import ModelConfig  # noqa: E402
+from engine.shapes import SHAPES  # noqa: E402
+from gpu_bench import NO_CUDA, cuda_missing, graph_of, us_per_call  # noqa: E402
+
+REPLAYS = 20
+MIN_BYTES = 256 * 2 ** 20  # weight bytes per graph round: five times an H200's L2
+# (block_n, block_k, num_warps)
+CONFIGS = [(4, 2048, 8), (4, 1024, 4), (2, 1024, 4), (2, 2048, 8), (8, 1024, 4), (4, 512, 4)]
+
+
+def products(shape: str) -> list[tuple[str, int, int]]:
+    """(name, outputs, inputs) of one layer's one-row products and the lm_head."""
+    c = ModelConfig(**SHAPES[shape])
+    h = c.hidden_size
+    if c.is_mla:
+        qk = c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+        return [("wa (q_a + kv_a)", c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim, h),
+                ("q_b_proj", qk, c.q_lora_rank), ("o_proj", h, c.num_attention_heads * c.v_head_dim),
+                ("dense w13", 2 * c.intermediate_size, h), ("dense down", h, c.intermediate_size),
+                ("lm_head", c.vocab_size, h)]
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return [("wqkv", q + 2 * kv, h), ("o_proj", h, q), ("w13", 2 * c.intermediate_size, h),
+            ("down_proj", h, c.intermediate_size), ("lm_head", c.vocab_size, h)]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama-3.1-8b,llama-3.2-1b,deepseek-v3-mini",
+                   help="shapes of engine/shapes.py, comma-separated")
+    p.add_argument("--samples", type=int, default=7)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    a = p.parse_args(argv)
+    a.shapes = [s for s in a.shape.split(",") if s]
+    unknown = [s for s in a.shapes if s not in SHAPES]
+    if unknown or not a.shapes:
+        p.error(f"--shape: unknown {', '.join(unknown) or '(none)'}; known: {', '.join(SHAPES)}")
+    if a.samples < 3:
+        p.error("--samples at least 3")
+    return a
+
+
+def time_product(n: int, k: int, samples: int, gen: torch.Generator) -> list[dict]:
+    """cuBLAS and every config on copies of one [n, k] bf16 weight, interleaved samples."""
+    copies = max(1, -(-MIN_BYTES // (2 * n * k)))
+    ws = [torch.empty(n, k, device="cuda", dtype=torch.bfloat16).normal_(0, k ** -0.5, generator=gen)
+          for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
+    variants = {"cuBLAS": [lambda w=w: F.linear(x, w) for w in ws]}
+    for bn, bk, nw in CONFIGS:
+        tag = f"gemv {bn}/{bk}/{nw}" + (" (engine)" if (bn, bk, nw) == gemv.blocks(k) else "")
+        variants[tag] = [lambda w=w, bn=bn, bk=bk, nw=nw: gemv.gemv(x, w, None, bn, bk, nw) for w in ws]
+    with torch.no_grad():
+        want = F.linear(x, ws[0]).float()
+        err = {name: ((calls[0]().float() - want).abs().max() / want.abs().max()).item()
+               for name, calls in variants.items()}
+        graphs = {name: graph_of(calls, REPLAYS) for name, calls in variants.items()}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for i in range(samples):
+        for name in (list(variants) if i % 2 == 0 else list(reversed(variants))):
+            times[name].append(us_per_call(graphs[name], REPLAYS * copies))
+    del graphs, ws
+    return [{"variant": name, "us": statistics.median(t), "gb_s": 2 * n * k / statistics.median(t) / 1e3,
+             "spread": max(t) / min(t), "rel_err_vs_cublas": err[name]} for name, t in times.items()]
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    if cuda_missing("this benchmark times GPU kernels"):
+        return NO_CUDA
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = []
+    for shape in a.shapes:
+        for name, n, k in products(shape):
+            engine_takes = n * k <= gemv.MAX_WEIGHT
+            out.append({"shape": shape, "product": name, "n": n, "k": k,
+                        "engine": "gemv" if engine_takes else "cuBLAS",
+                        "rows": time_product(n, k, a.samples, gen)})
+    if a.json:
+        print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "samples": a.samples,
+                          "products": out}, indent=1))
+        return 0
+    print(f"one-row products, {torch.cuda.get_device_name()} (torch {torch.__version__}), median of {a.samples} "
+          f"interleaved samples")
+    for p in out:
+        print(f"\n{p['shape']} {p['product']} [{p['n']} x {p['k']}], the engine runs {p['engine']}")
+        print(f"{'variant':<26} {'us':>9} {'GB/s':>8} {'spread':>7} {'err vs cuBLAS':>14}")
+        for r in p["rows"]:
+            print(f"{r['variant']:<26} {r['us']:>9.2f} {r['gb_s']:>8.0f} {r['spread']:>7.3f} "
+                  f"{r['rel_err_vs_cublas']:>14.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

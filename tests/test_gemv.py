@@ -1,0 +1,101 @@
+"""The one-row product kernel (engine/gemv.py) against F.linear without a GPU: Triton's interpreter
+(TRITON_INTERPRET=1) runs it on CPU tensors. The GPU (bf16 rounding, which forwards take it, compile and graph
+capture) is covered by tests/test_gpu_engine.py::test_gemv_linear_on_cuda."""
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import gemv
+
+if sys.platform != "linux" or platform.machine() != "x86_64":  # the test extra installs triton only there
+    pytest.skip("triton's interpreter is installed on Linux x86-64 only", allow_module_level=True)
+import triton  # noqa: E402,F401 - required there: a missing one is a failure
+
+# In a subprocess: the interpreter is chosen when the kernels are decorated, i.e. at import.
+SCRIPT = """
+import json
+import torch
+import torch.nn.functional as F
+from engine.gemv import gemv
+
+g = torch.Generator().manual_seed(0)
+out = {}
+# (outputs, inputs, bias, blocks): sizes that are and are not multiples of the blocks, K below one block and over
+# several, with and without a bias
+for N, K, bias, blocks in [(40, 96, False, (4, 32)), (37, 200, True, (8, 64)), (16, 64, False, (16, 128)),
+                           (5, 1100, True, (4, 256))]:
+    w = torch.randn(N, K, generator=g) / K ** 0.5
+    b = torch.randn(N, generator=g) if bias else None
+    x = torch.randn(1, 1, K, generator=g)
+    name = f"{N},{K},{bias}"
+    want = F.linear(x, w, b)
+    got = gemv(x, w, b, *blocks)
+    out["shape " + name] = list(got.shape) == list(want.shape)
+    out["fp32 " + name] = (got - want).abs().max().item() / want.abs().max().item()
+    # the same call twice: the same bits (the sum's order is fixed by the blocks)
+    out["again " + name] = bool(torch.equal(got, gemv(x, w, b, *blocks)))
+    # bf16: against float32 math on the same rounded inputs, within a few roundings of the output's scale
+    xb, wb, bb = x.bfloat16(), w.bfloat16(), None if b is None else b.bfloat16()
+    truth = F.linear(xb.float(), wb.float(), None if bb is None else bb.float())
+    out["bf16 " + name] = (gemv(xb, wb, bb, *blocks).float() - truth).abs().max().item() / truth.abs().max().item()
+    # a weight with one row changed must not agree: the checks above can fail
+    w2 = w.clone()
+    w2[N - 1] = torch.randn(K, generator=g)
+    out["changed " + name] = (gemv(x, w2, b, *blocks) - want).abs().max().item() / want.abs().max().item()
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    r = subprocess.run([sys.executable, "-c", SCRIPT], env={**os.environ, "TRITON_INTERPRET": "1"},
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+def of(results: dict, kind: str) -> dict:
+    picked = {k: v for k, v in results.items() if k.startswith(kind + " ")}
+    assert len(picked) == 4, picked
+    return picked
+
+
+def test_gemv_matches_f_linear_in_float32(results):
+    assert all(of(results, "shape").values())
+    assert max(of(results, "fp32").values()) < 1e-5
+
+
+def test_gemv_in_bf16_stays_within_a_few_roundings(results):
+    assert max(of(results, "bf16").values()) < 0.02  # bf16 keeps 8 bits: 2^-8 is 0.4% of the scale
+
+
+def test_gemv_gives_the_same_bits_twice(results):
+    assert all(of(results, "again").values())
+
+
+def test_a_changed_weight_row_is_caught(results):
+    assert min(of(results, "changed").values()) > 0.05
+
+
+def test_gemv_refuses_more_than_one_row():
+    with pytest.raises(ValueError, match="one row"):
+        gemv.gemv(torch.zeros(2, 8), torch.zeros(4, 8))
+
+
+def test_linear_keeps_cublas_off_the_gpu_and_for_autograd():
+    """On CPU (and wherever `available` says no) Linear is nn.Linear: same parameters, same outputs, gradients."""
+    torch.manual_seed(0)
+    lin = gemv.Linear(8, 4)
+    ref = torch.nn.Linear(8, 4)
+    ref.load_state_dict(lin.state_dict())
+    x = torch.randn(1, 8, requires_grad=True)
+    assert not gemv.available(x, lin.weight)
+    assert torch.equal(lin(x), ref(x))
+    lin(x).sum().backward()
+    assert lin.weight.grad is not None and x.grad is not None
+    assert set(lin.state_dict()) == {"weight", "bias"}
