@@ -60,9 +60,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 slots: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
-        B, T, _ = x.shape
+        return self.attend_qkv(self.wqkv(x), cos, sin, slots, mask)
+
+    def attend_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   slots: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+        """The layer's attention from its q/k/v projection's output [B, T, (H + 2 Hkv) D] on."""
+        B, T, _ = qkv.shape
         H, Hkv = self.n_heads, self.n_kv
-        qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, self.head_dim)  # q, k and v heads side by side
+        qkv = qkv.view(B, T, H + 2 * Hkv, self.head_dim)  # q, k and v heads side by side
         if self.q_norm is not None:  # Qwen3: per-head norms before RoPE
             qk = torch.cat([self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H:H + Hkv])], dim=2)
         else:
@@ -110,8 +115,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj.swiglu(self.w13(x))
 
 
 class Block(nn.Module):
@@ -125,7 +129,15 @@ class Block(nn.Module):
     def forward(self, h, residual, cos, sin, slots, mask):
         """The layer's input is h + residual; returns (h, residual) for the next layer, whose first op adds them.
         The residual add that ends a layer thus runs in the next layer's compiled region, fused with that layer's
-        norm: one kernel a layer fewer in a compiled step. Eagerly the adds run in the same order as ever."""
+        norm: one kernel a layer fewer in a compiled step. Eagerly the adds run in the same order as ever.
+        A Llama-family layer hands each add and norm to the product after it (`Linear.add_norm`: one kernel at a
+        decode step's one row, the plain ops elsewhere)."""
+        attn, mlp = self.self_attn, self.mlp
+        if type(attn) is Attention and type(mlp) is MLP:
+            x, qkv = attn.wqkv.add_norm(h, residual, self.input_layernorm)
+            x, gate_up = mlp.w13.add_norm(attn.attend_qkv(qkv, cos, sin, slots, mask), x,
+                                          self.post_attention_layernorm)
+            return mlp.down_proj.swiglu(gate_up), x
         x = h + residual
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, mask)
         return self.mlp(self.post_attention_layernorm(x)), x

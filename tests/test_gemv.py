@@ -21,7 +21,7 @@ SCRIPT = """
 import json
 import torch
 import torch.nn.functional as F
-from engine.gemv import gemv
+from engine.gemv import add_norm_gemv, gemv, swiglu_gemv
 
 g = torch.Generator().manual_seed(0)
 out = {}
@@ -47,6 +47,42 @@ for N, K, bias, blocks in [(40, 96, False, (4, 32)), (37, 200, True, (8, 64)), (
     w2 = w.clone()
     w2[N - 1] = torch.randn(K, generator=g)
     out["changed " + name] = (gemv(x, w2, b, *blocks) - want).abs().max().item() / want.abs().max().item()
+
+# the two prologues a decoder layer uses, against the unfused ops; more than one program (program 0 stores x)
+for N, K, bias, (bn, bk) in [(40, 96, False, (4, 32)), (37, 200, True, (8, 64)), (5, 1100, True, (4, 256))]:
+    name = f"{N},{K},{bias}"
+    kw = dict(block_n=bn, block_k=bk)
+    w = torch.randn(N, K, generator=g) / K ** 0.5
+    b = torch.randn(N, generator=g) if bias else None
+    h, r = torch.randn(1, 1, K, generator=g), torch.randn(1, 1, K, generator=g)
+    nw = 1 + 0.1 * torch.randn(K, generator=g)
+    x, y = add_norm_gemv(h, r, nw, 1e-5, w, b, **kw)
+    want = F.linear(F.rms_norm(h + r, (K,), eps=1e-5) * nw, w, b)
+    out["norm x " + name] = bool(torch.equal(x, h + r))
+    out["norm fp32 " + name] = (y - want).abs().max().item() / want.abs().max().item()
+    hb, rb, nb, wb = h.bfloat16(), r.bfloat16(), nw.bfloat16(), w.bfloat16()
+    bb = None if b is None else b.bfloat16()
+    xb, yb = add_norm_gemv(hb, rb, nb, 1e-5, wb, bb, **kw)
+    truth = F.linear(F.rms_norm((hb + rb).float(), (K,), eps=1e-5) * nb.float(), wb.float(),
+                     None if bb is None else bb.float())
+    # within one rounding: the interpreter casts float32 to bf16 by truncation, the GPU to nearest (the GPU test
+    # checks the bits)
+    out["norm xbits " + name] = ((xb.float() - (hb + rb).float()).abs() <= (hb + rb).float().abs() / 128).all().item()
+    out["norm bf16 " + name] = (yb.float() - truth).abs().max().item() / truth.abs().max().item()
+    nw2 = nw.clone()
+    nw2[K // 2] += 20.0  # one norm weight changed: the prologue reads it
+    out["norm changed " + name] = (add_norm_gemv(h, r, nw2, 1e-5, w, b, **kw)[1] - want).abs().max().item() \
+        / want.abs().max().item()
+    gu = torch.randn(1, 1, 2 * K, generator=g)
+    want = F.linear(F.silu(gu[..., :K]) * gu[..., K:], w, b)
+    out["swiglu fp32 " + name] = (swiglu_gemv(gu, w, b, **kw) - want).abs().max().item() / want.abs().max().item()
+    gub = gu.bfloat16()
+    truth = F.linear(F.silu(gub[..., :K].float()) * gub[..., K:].float(), wb.float(), None if bb is None else bb.float())
+    out["swiglu bf16 " + name] = (swiglu_gemv(gub, wb, bb, **kw).float() - truth).abs().max().item() \
+        / truth.abs().max().item()
+    gu2 = gu.clone()
+    gu2[..., K // 3], gu2[..., K + K // 3] = 5.0, 20.0  # one gate and its up input changed: both halves are read
+    out["swiglu changed " + name] = (swiglu_gemv(gu2, w, b, **kw) - want).abs().max().item() / want.abs().max().item()
 print(json.dumps(out))
 """
 
@@ -80,6 +116,27 @@ def test_gemv_gives_the_same_bits_twice(results):
 
 def test_a_changed_weight_row_is_caught(results):
     assert min(of(results, "changed").values()) > 0.05
+
+
+def prologue(results: dict, kind: str) -> dict:
+    picked = {k: v for k, v in results.items() if k.startswith(kind + " ")}
+    assert len(picked) == 3, picked
+    return picked
+
+
+def test_add_norm_prologue_matches_the_unfused_ops(results):
+    """x is h + residual (to the bit in float32; in bf16 within the interpreter's rounding); the product is
+    rms_norm(x) * g @ W.T."""
+    assert all(prologue(results, "norm x").values()) and all(prologue(results, "norm xbits").values())
+    assert max(prologue(results, "norm fp32").values()) < 1e-5
+    assert max(prologue(results, "norm bf16").values()) < 0.02
+    assert min(prologue(results, "norm changed").values()) > 0.05
+
+
+def test_swiglu_prologue_matches_the_unfused_ops(results):
+    assert max(prologue(results, "swiglu fp32").values()) < 1e-5
+    assert max(prologue(results, "swiglu bf16").values()) < 0.02
+    assert min(prologue(results, "swiglu changed").values()) > 0.05
 
 
 def test_gemv_refuses_more_than_one_row():

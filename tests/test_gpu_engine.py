@@ -333,3 +333,44 @@ def test_gemv_linear_on_cuda(n, k, bias, monkeypatch):
     graph.replay()
     assert torch.equal(captured, gemv.gemv(x, lin.weight, lin.bias))
     assert torch.equal(torch.compile(lin, fullgraph=True)(x), captured)
+
+
+@torch.no_grad()
+def test_fused_layer_prologues_on_cuda(monkeypatch):
+    """A Llama layer at one bf16 row takes the add+norm and SwiGLU prologues (engine.gemv.fuse): the residual add
+    keeps its bits, the layer's output is the unfused layer's within bf16's roundings, and a CUDA graph and
+    torch.compile give the eager bits; at two rows, or switched off, the layer never takes them."""
+    from engine import gemv
+
+    monkeypatch.setattr(gemv, "enabled", True)
+    model = random_model("small", device="cuda", dtype="bfloat16", seed=5)
+    layer = model.layers[1]
+    g = torch.Generator(device="cuda").manual_seed(6)
+    h, r = (torch.randn(1, 1, model.cfg.hidden_size, device="cuda", generator=g).bfloat16() for _ in range(2))
+    pos = torch.tensor([3], device="cuda")
+    args = (model.rope_cos[pos], model.rope_sin[pos], None, None)
+    calls, add_norm, swiglu = [], gemv.add_norm_gemv, gemv.swiglu_gemv
+    monkeypatch.setattr(gemv, "add_norm_gemv", lambda *a, **k: calls.append("add_norm") or add_norm(*a, **k))
+    monkeypatch.setattr(gemv, "swiglu_gemv", lambda *a, **k: calls.append("swiglu") or swiglu(*a, **k))
+    fused = layer(h, r, *args)
+    assert calls == ["add_norm", "add_norm", "swiglu"]
+    layer(torch.cat([h, h], 1), torch.cat([r, r], 1), model.rope_cos[:2], model.rope_sin[:2], None, None)
+    monkeypatch.setattr(gemv, "fuse", False)
+    plain = layer(h, r, *args)
+    assert calls == ["add_norm", "add_norm", "swiglu"]  # neither two rows nor the switch off took them
+    monkeypatch.setattr(gemv, "fuse", True)
+    monkeypatch.setattr(gemv, "add_norm_gemv", add_norm)
+    monkeypatch.setattr(gemv, "swiglu_gemv", swiglu)
+    assert torch.equal(layer.self_attn.wqkv.add_norm(h, r, layer.input_layernorm)[0], h + r)
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:  # within bf16's roundings of the output's scale
+        return (a.float() - b.float()).abs().max().item() < 3e-2 * b.float().abs().max().item()
+
+    assert all(close(a, b) for a, b in zip(fused, plain))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = layer(h, r, *args)
+    graph.replay()
+    assert all(torch.equal(a, b) for a, b in zip(captured, fused))
+    compiled = torch.compile(layer, fullgraph=True)(h, r, *args)  # inductor rounds RoPE and the rest its own way
+    assert all(close(a, b) for a, b in zip(compiled, fused))
