@@ -60,6 +60,7 @@ PLAIN, ADD_NORM, SWIGLU = 0, 1, 2
 fuse = True  # benchmarks switch it off to time the norms and activations as their own kernels
 
 if triton is not None:
+    _ADD_NORM, _SWIGLU = tl.constexpr(ADD_NORM), tl.constexpr(SWIGLU)  # what a kernel may read of the module
 
     @triton.jit
     def _gemv_rows(X, X2, G, W, Bias, Xout, Y, N, sw_n, eps, K: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -76,19 +77,19 @@ if triton is not None:
             cols = k0 + tl.arange(0, BLOCK_K)
             in_cols = cols < K
             x = tl.load(X + cols, mask=in_cols, other=0.0).to(tl.float32)
-            if PROLOGUE == ADD_NORM:
+            if PROLOGUE == _ADD_NORM:
                 x = (x + tl.load(X2 + cols, mask=in_cols, other=0.0).to(tl.float32)).to(Xout.dtype.element_ty)
                 tl.store(Xout + cols, x, mask=in_cols & (pid == 0))
                 x = x.to(tl.float32)
                 squares += x * x
                 x = x * tl.load(G + cols, mask=in_cols, other=0.0).to(tl.float32)
-            if PROLOGUE == SWIGLU:
+            if PROLOGUE == _SWIGLU:
                 x = x * tl.sigmoid(x) * tl.load(X + K + cols, mask=in_cols, other=0.0).to(tl.float32)
             w = tl.load(W + rows[:, None] * sw_n + cols[None, :], mask=in_rows[:, None] & in_cols[None, :],
                         other=0.0, eviction_policy="evict_first")  # read once: keep x in cache, not w
             acc += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
-        if PROLOGUE == ADD_NORM:  # the norm's scale is one number for the row: it factors out of the sum
+        if PROLOGUE == _ADD_NORM:  # the norm's scale is one number for the row: it factors out of the sum
             y = y * tl.rsqrt(tl.sum(squares) / K + eps)
         if HAS_BIAS:
             y += tl.load(Bias + rows, mask=in_rows, other=0.0).to(tl.float32)
