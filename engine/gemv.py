@@ -57,7 +57,10 @@ def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 # What a product's kernel computes its row of inputs from, before the product (a compile-time switch of one kernel)
 PLAIN, ADD_NORM, SWIGLU = 0, 1, 2
-fuse = True  # benchmarks switch it off to time the norms and activations as their own kernels
+# Each prologue on its own switch, so that an A/B (scripts/ab-decode.py --switch engine.gemv.fuse_norm) times one at a
+# time: off, the norm or the activation runs as its own kernel, as inductor compiles it
+fuse_norm = True
+fuse_swiglu = True
 
 if triton is not None:
     _ADD_NORM, _SWIGLU = tl.constexpr(ADD_NORM), tl.constexpr(SWIGLU)  # what a kernel may read of the module
@@ -156,14 +159,14 @@ class Linear(nn.Linear):
 
     def add_norm(self, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, self(norm(x))) with x = h + residual; `norm` is an RMSNorm (its `weight` and `eps`)."""
-        if fuse and available(h, self.weight):
+        if fuse_norm and available(h, self.weight):
             return add_norm_gemv(h, residual, norm.weight, norm.eps, self.weight, self.bias)
         x = h + residual
         return x, self(norm(x))
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) for gate_up = cat(gate, up) along the last dim."""
-        if fuse and available(gate_up[..., :self.in_features], self.weight):
+        if fuse_swiglu and available(gate_up[..., :self.in_features], self.weight):
             return swiglu_gemv(gate_up, self.weight, self.bias)
         gate, up = gate_up.chunk(2, dim=-1)
         return self(F.silu(gate) * up)

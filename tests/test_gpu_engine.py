@@ -337,7 +337,8 @@ def test_gemv_linear_on_cuda(n, k, bias, monkeypatch):
 
 @torch.no_grad()
 def test_fused_layer_prologues_on_cuda(monkeypatch):
-    """A Llama layer at one bf16 row takes the add+norm and SwiGLU prologues (engine.gemv.fuse): the residual add
+    """A Llama layer at one bf16 row takes the add+norm and SwiGLU prologues (engine.gemv.fuse_norm and fuse_swiglu,
+    each on its own): the residual add
     keeps its bits, the layer's output is the unfused layer's within bf16's roundings, and a CUDA graph and
     torch.compile give the eager bits; at two rows, or switched off, the layer never takes them."""
     from engine import gemv
@@ -355,10 +356,14 @@ def test_fused_layer_prologues_on_cuda(monkeypatch):
     fused = layer(h, r, *args)
     assert calls == ["add_norm", "add_norm", "swiglu"]
     layer(torch.cat([h, h], 1), torch.cat([r, r], 1), model.rope_cos[:2], model.rope_sin[:2], None, None)
-    monkeypatch.setattr(gemv, "fuse", False)
+    monkeypatch.setattr(gemv, "fuse_swiglu", False)
+    layer(h, r, *args)
+    assert calls == ["add_norm", "add_norm", "swiglu", "add_norm", "add_norm"]  # one switch, one prologue
+    monkeypatch.setattr(gemv, "fuse_norm", False)
     plain = layer(h, r, *args)
-    assert calls == ["add_norm", "add_norm", "swiglu"]  # neither two rows nor the switch off took them
-    monkeypatch.setattr(gemv, "fuse", True)
+    assert calls == ["add_norm", "add_norm", "swiglu", "add_norm", "add_norm"]  # neither two rows nor the switches off
+    monkeypatch.setattr(gemv, "fuse_norm", True)
+    monkeypatch.setattr(gemv, "fuse_swiglu", True)
     monkeypatch.setattr(gemv, "add_norm_gemv", add_norm)
     monkeypatch.setattr(gemv, "swiglu_gemv", swiglu)
     assert torch.equal(layer.self_attn.wqkv.add_norm(h, r, layer.input_layernorm)[0], h + r)
