@@ -27,6 +27,8 @@ BAD_ARGUMENTS = [
     ("ab-decode.py", ["--switch", "engine.no_such_module.x"], "engine.no_such_module"),
     ("ab-decode.py", ["--switch", "engine.moe_decode.fuse_shared", "--shape", "no-such-shape"], "--shape"),
     ("ab-decode.py", ["--switch", "engine.moe_decode.fuse_shared", "--rounds", "2"], "--rounds"),
+    ("ab-decode.py", ["--switch", "engine.moe_decode.fuse_shared", "--spec", "7,x"], "--spec"),
+    ("ab-decode.py", ["--switch", "engine.moe_decode.fuse_shared", "--spec", "0,1,1"], "--spec"),
     ("bench-gemv.py", ["--shape", "no-such-shape"], "--shape"),
     ("bench-gemv.py", ["--shape", ","], "--shape"),
     ("bench-gemv.py", ["--samples", "2"], "--samples"),
