@@ -27,29 +27,13 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine import gemv  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
 from engine.shapes import SHAPES  # noqa: E402
-from gpu_bench import NO_CUDA, cuda_missing, graph_of, us_per_call  # noqa: E402
+from gpu_bench import NO_CUDA, cuda_missing, graph_of, products, us_per_call  # noqa: E402
 
 REPLAYS = 20
 MIN_BYTES = 256 * 2 ** 20  # weight bytes per graph round: five times an H200's L2
 # (block_n, block_k, num_warps)
 CONFIGS = [(4, 2048, 8), (4, 1024, 4), (2, 1024, 4), (2, 2048, 8), (8, 1024, 4), (4, 512, 4)]
-
-
-def products(shape: str) -> list[tuple[str, int, int]]:
-    """(name, outputs, inputs) of one layer's one-row products and the lm_head."""
-    c = ModelConfig(**SHAPES[shape])
-    h = c.hidden_size
-    if c.is_mla:
-        qk = c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
-        return [("wa (q_a + kv_a)", c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim, h),
-                ("q_b_proj", qk, c.q_lora_rank), ("o_proj", h, c.num_attention_heads * c.v_head_dim),
-                ("dense w13", 2 * c.intermediate_size, h), ("dense down", h, c.intermediate_size),
-                ("lm_head", c.vocab_size, h)]
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    return [("wqkv", q + 2 * kv, h), ("o_proj", h, q), ("w13", 2 * c.intermediate_size, h),
-            ("down_proj", h, c.intermediate_size), ("lm_head", c.vocab_size, h)]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

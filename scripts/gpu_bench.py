@@ -1,12 +1,15 @@
-"""What the GPU benchmarks of scripts/ (bench-moe-decode.py, ab-kernels.py, ab-decode.py) share: their refusal
-without a GPU (exit 3), and timing calls inside one CUDA graph, which holds `replays` rounds of them so that launch
-gaps weigh as they do in a captured decode step."""
+"""What the GPU scripts of scripts/ (bench-gemv.py, bench-moe-decode.py, ab-kernels.py, ab-decode.py,
+kernel-report.py) share: their refusal without a GPU (exit 3), timing calls inside one CUDA graph, which holds
+`replays` rounds of them so that launch gaps weigh as they do in a captured decode step, and a shape's products."""
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
 
 import torch
+
+from engine.config import ModelConfig
+from engine.shapes import SHAPES
 
 NO_CUDA = 3  # the exit code of a GPU benchmark on a machine without one
 
@@ -42,3 +45,18 @@ def us_per_call(g: torch.cuda.CUDAGraph, calls: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1000 / calls
+
+
+def products(shape: str) -> list[tuple[str, int, int]]:
+    """(name, outputs, inputs) of one layer's one-row products and the lm_head."""
+    c = ModelConfig(**SHAPES[shape])
+    h = c.hidden_size
+    if c.is_mla:
+        qk = c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim)
+        return [("wa (q_a + kv_a)", c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim, h),
+                ("q_b_proj", qk, c.q_lora_rank), ("o_proj", h, c.num_attention_heads * c.v_head_dim),
+                ("dense w13", 2 * c.intermediate_size, h), ("dense down", h, c.intermediate_size),
+                ("lm_head", c.vocab_size, h)]
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    return [("wqkv", q + 2 * kv, h), ("o_proj", h, q), ("w13", 2 * c.intermediate_size, h),
+            ("down_proj", h, c.intermediate_size), ("lm_head", c.vocab_size, h)]

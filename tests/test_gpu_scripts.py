@@ -32,6 +32,7 @@ BAD_ARGUMENTS = [
     ("bench-gemv.py", ["--shape", "no-such-shape"], "--shape"),
     ("bench-gemv.py", ["--shape", ","], "--shape"),
     ("bench-gemv.py", ["--samples", "2"], "--samples"),
+    ("kernel-report.py", ["--shape", "no-such-shape"], "--shape"),
     ("bench-moe-decode.py", ["--tokens", "1,x"], "--tokens"),
     ("bench-moe-decode.py", ["--tokens", "0"], "--tokens"),
     ("bench-moe-decode.py", ["--shape", "llama-3.1-8b"], "--shape"),  # not an MoE shape
