@@ -9,7 +9,8 @@ recorded (docs/findings.md, section 23 quotes such a run).
 
 For each module found in --old:
 - decode_attention: split_kv_attention at the llama-3.1-8b shape's decode (384-token cache), after a 32K-token
-  prompt, a verify of 8 (after a short prompt and after a 32K one), and the llama-3.2-1b shape's decode; this tree's with the cache's merge counts;
+  prompt, a verify of 8 (after a short prompt and after a 32K one), and the llama-3.2-1b shape's
+  decode; this tree's with the cache's merge counts;
 - moe_decode: the deepseek-v3-mini experts at one token and at eight, routed and shared experts as
   deepseek.Experts runs them at each revision (the shared MLP apart where that module takes no `shared`).
 Each call runs once per layer of a graph (each layer its own inputs, so weights and caches come from memory, not

@@ -6,15 +6,16 @@ bytes per thread, shared memory per block, software-pipelined copies (cp.async, 
     python scripts/kernel-report.py [--shape llama-3.1-8b,llama-3.2-1b,deepseek-v3-mini] [--json]
 
 Why: Triton's interpreter (the CPU tests) checks what a kernel computes, not what it becomes on the GPU: a kernel
-can pass it and fail to compile there (a module global read as other than a tl.constexpr, docs/findings.md
-section 25), spill its registers, ask for more shared memory than a block may have, or run its loop over K
-unpipelined. Each of those costs a lease's minutes to find. (Registers at the limit, 255, are a hint too: ptxas
-then issues a fully unrolled kernel's loads fewer at a time rather than spill, which no count here shows.) Here each launch goes through the engine's own wrapper (engine.gemv.gemv, engine.decode_attention's split-KV
-attention, engine.moe_decode.routed_experts) with CPU tensors of the shape's sizes; the kernel object is swapped
-for one that compiles instead of launching (JITFunction.warmup, under a stand-in driver that names sm_90), so the
-arguments, their specialization (alignment, divisibility by 16) and the compile options are the JIT's own on the
-GPU. The resources are read from the compiled binary (cuobjdump, shipped with Triton). Nothing is timed: what
-runs fast is a benchmark's question (scripts/bench-gemv.py, scripts/ab-decode.py).
+can pass it and fail to compile there (a module global read as other than a tl.constexpr, docs/findings.md section
+25), spill its registers, ask for more shared memory than a block may have, or run its loop over K unpipelined. Each
+of those costs a lease's minutes to find. (Registers at the limit, 255, are a hint too: ptxas then issues a fully
+unrolled kernel's loads fewer at a time rather than spill, which no count here shows.) Here each launch goes through
+the engine's own wrapper (engine.gemv.gemv, engine.decode_attention's split-KV attention,
+engine.moe_decode.routed_experts) with CPU tensors of the shape's sizes; the kernel object is swapped for one that
+compiles instead of launching (JITFunction.warmup, under a stand-in driver that names sm_90), so the arguments,
+their specialization (alignment, divisibility by 16) and the compile options are the JIT's own on the GPU. The
+resources are read from the compiled binary (cuobjdump, shipped with Triton). Nothing is timed: what runs fast is a
+benchmark's question (scripts/bench-gemv.py, scripts/ab-decode.py).
 
 Exit: 0 every launch compiled within the limits; 1 some launch failed to compile, spilled, or asked for more
 shared memory than a block of sm_90 may have; 2 bad arguments; 3 no Triton here.
