@@ -12,10 +12,16 @@ Sums: each program accumulates x * w elementwise in float32 across the K chunks 
 accumulator; the bias (if any) is added in float32 before the one rounding, as cuBLAS's epilogue adds it. The order
 is fixed by the block sizes, never by the GPU's timing: the same inputs give the same bits every call.
 
-`Linear` is the model's projection: an nn.Linear (same parameters, same state dict) whose forward takes this kernel
-for one row of half-precision CUDA input without autograd, cuBLAS otherwise.
-Every other forward (verify, prefill, training, CPU) is nn.Linear's. On CPU tensors the kernel runs in Triton's
-interpreter (TRITON_INTERPRET=1), which is how tests/test_gemv.py checks it.
+A few rows (a verify's 2 to MAX_ROWS tokens) take a second kernel, `rows`, for the same reason: each program reads
+BLOCK_N weight rows once for all of the tokens, as tensor-core products (`tl.dot`) of the weight block against the
+tokens' block padded to 16 rows, and accumulates along K in float32 in a fixed order. A token's output depends only
+on its own row (the padding rows and the other tokens never enter its sums), so a forward of W rows gives each row
+the same bits whatever the others hold, which deterministic mode (engine/deterministic.py) relies on.
+
+`Linear` is the model's projection: an nn.Linear (same parameters, same state dict) whose forward takes these kernels
+for up to MAX_ROWS rows of half-precision CUDA input without autograd, cuBLAS otherwise.
+Every other forward (prefill, training, CPU) is nn.Linear's. On CPU tensors the kernels run in Triton's
+interpreter (TRITON_INTERPRET=1), which is how tests/test_gemv.py checks them.
 """
 from __future__ import annotations
 
@@ -45,14 +51,33 @@ def blocks(k: int) -> tuple[int, int, int]:
     return WIDE_BLOCKS if NARROW_K < k <= WIDE_K else NARROW_BLOCKS
 
 
+MAX_ROWS = 64  # the largest verify (a tree's draft-token budget); prefill chunks stay on cuBLAS
+
+
+def row_blocks(m: int, k: int) -> tuple[int, int, int, int, int]:
+    """(block_m, block_n, block_k, num_warps, num_stages) for `rows` at m tokens and k inputs: the tokens padded to
+    a power of two of at least 16 (tl.dot's smallest side), narrow weight blocks so that even the small products
+    spread over every SM, and a pipelined K loop."""
+    block_m = max(16, 1 << (m - 1).bit_length())
+    return (block_m, 16, 256, 4, 4) if block_m <= 16 else (block_m, 32, 128, 4, 3)
+
+
 enabled = True  # benchmarks switch it off to time cuBLAS at every one-row product
+few_rows = True  # and this one to time cuBLAS at every product of 2 to MAX_ROWS rows
+
+
+def n_rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
 
 def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One row of half-precision CUDA input, no autograd, a weight contiguous along K."""
+    """One row (or, with `few_rows`, up to MAX_ROWS) of half-precision CUDA input, no autograd, a weight
+    contiguous along K."""
+    m = n_rows(x)
     return (enabled and triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and x.numel() == x.shape[-1] and weight.numel() <= MAX_WEIGHT
-            and weight.stride(-1) == 1 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+            and weight.dtype == x.dtype and (m == 1 or (few_rows and 1 < m <= MAX_ROWS))
+            and weight.numel() <= MAX_WEIGHT and weight.stride(-1) == 1
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
 if triton is not None:
@@ -75,6 +100,28 @@ if triton is not None:
             y += tl.load(Bias + rows, mask=in_rows, other=0.0).to(tl.float32)
         tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=in_rows)
 
+    @triton.jit
+    def _gemm_rows(X, W, Bias, Y, M, N, sx_m, sw_n, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr, HAS_BIAS: tl.constexpr):
+        # the weight block is the product's left side (BLOCK_N rows, at least 16) and the tokens its right side, so
+        # a few tokens fill tl.dot's narrow side: acc[n, m] = sum_k W[n, k] X[m, k]
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        toks = tl.arange(0, BLOCK_M)
+        in_rows, in_toks = rows < N, toks < M
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            in_cols = cols < K
+            w = tl.load(W + rows[:, None] * sw_n + cols[None, :], mask=in_rows[:, None] & in_cols[None, :],
+                        other=0.0, eviction_policy="evict_first")
+            xt = tl.load(X + toks[None, :] * sx_m + cols[:, None], mask=in_toks[None, :] & in_cols[:, None],
+                         other=0.0)
+            acc = tl.dot(w, xt, acc)
+        if HAS_BIAS:
+            acc += tl.load(Bias + rows, mask=in_rows, other=0.0).to(tl.float32)[:, None]
+        tl.store(Y + toks[None, :] * N + rows[:, None], acc.to(Y.dtype.element_ty),
+                 mask=in_rows[:, None] & in_toks[None, :])
+
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, block_n: int | None = None,
          block_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
@@ -92,10 +139,37 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return y
 
 
+def rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         blocks: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+    """x [..., K] holding 2 to MAX_ROWS rows; weight [N, K] contiguous along K; bias [N] or None -> [..., N] in x's
+    dtype: F.linear(x, weight, bias). `blocks` (block_m, block_n, block_k, num_warps, num_stages) defaults to
+    `row_blocks(M, K)`; the benchmark sweeps it."""
+    N, K = weight.shape
+    m = n_rows(x)
+    if x.shape[-1] != K or not 0 < m <= MAX_ROWS or weight.stride(-1) != 1:
+        raise ValueError(f"rows: 1 to {MAX_ROWS} rows of {K} inputs and a weight contiguous along K, "
+                         f"got x {tuple(x.shape)}")
+    block_m, block_n, block_k, num_warps, num_stages = blocks or row_blocks(m, K)
+    if block_m < m:
+        raise ValueError(f"rows: block_m {block_m} holds fewer than the {m} rows")
+    x2 = x.reshape(m, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    _gemm_rows[(triton.cdiv(N, block_n),)](
+        x2, weight, bias if bias is not None else weight, y, m, N, x2.stride(0), weight.stride(0), K=K,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages, HAS_BIAS=bias is not None,
+        num_warps=num_warps)
+    return y
+
+
 class Linear(nn.Linear):
-    """nn.Linear whose one-row half-precision CUDA forwards take `gemv` (see the module's docstring)."""
+    """nn.Linear whose one-row half-precision CUDA forwards take `gemv`, and those of 2 to MAX_ROWS rows `rows`
+    (see the module's docstring)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if available(x, self.weight):
-            return gemv(x, self.weight, self.bias)
+            if n_rows(x) == 1:
+                return gemv(x, self.weight, self.bias)
+            return rows(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)

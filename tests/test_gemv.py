@@ -1,6 +1,9 @@
-"""The one-row product kernel (engine/gemv.py) against F.linear without a GPU: Triton's interpreter
-(TRITON_INTERPRET=1) runs it on CPU tensors. The GPU (bf16 rounding, which forwards take it, compile and graph
-capture) is covered by tests/test_gpu_engine.py::test_gemv_linear_on_cuda."""
+"""The one-row and few-row product kernels (engine/gemv.py) against F.linear without a GPU: Triton's interpreter
+(TRITON_INTERPRET=1) runs them on CPU tensors. The GPU (bf16 rounding, which forwards take them, compile and graph
+capture) is covered by tests/test_gpu_engine.py::test_gemv_linear_on_cuda.
+
+The few-row kernel's half-precision case runs in float16 here: the interpreter multiplies bfloat16 operands of
+tl.dot as their bit patterns (triton-lang/triton#11584), so its bf16 rounding is checked on the GPU only."""
 import json
 import os
 import platform
@@ -51,17 +54,64 @@ print(json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module")
-def results() -> dict:
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env={**os.environ, "TRITON_INTERPRET": "1"},
+ROWS_SCRIPT = """
+import json
+import torch
+import torch.nn.functional as F
+from engine.gemv import rows
+
+g = torch.Generator().manual_seed(1)
+out = {}
+# (tokens, outputs, inputs, bias, blocks): 2 tokens in a block of 16, a chain's 8, a block's 16, 33 of 64 and all 64;
+# outputs and inputs that are and are not multiples of the blocks; the engine's blocks (None) and others
+for M, N, K, bias, blocks in [(2, 40, 96, False, (16, 16, 32, 4, 2)), (8, 37, 300, True, None),
+                              (16, 64, 512, False, (16, 32, 128, 4, 3)), (33, 50, 200, True, None),
+                              (64, 16, 64, False, None)]:
+    w = torch.randn(N, K, generator=g) / K ** 0.5
+    b = torch.randn(N, generator=g) if bias else None
+    x = torch.randn(1, M, K, generator=g)
+    name = f"{M},{N},{K},{bias}"
+    want = F.linear(x, w, b)
+    got = rows(x, w, b, blocks)
+    out["shape " + name] = list(got.shape) == list(want.shape)
+    out["fp32 " + name] = (got - want).abs().max().item() / want.abs().max().item()
+    out["again " + name] = bool(torch.equal(got, rows(x, w, b, blocks)))
+    xh, wh, bh = x.half(), w.half(), None if b is None else b.half()
+    truth = F.linear(xh.float(), wh.float(), None if bh is None else bh.float())
+    half = rows(xh, wh, bh, blocks)
+    out["fp16 " + name] = (half.float() - truth).abs().max().item() / truth.abs().max().item()
+    # a token's outputs depend on its own row only: the other rows changed, or the token alone, give its bits
+    x2 = xh.clone()
+    x2[0, 1:] = torch.randn(M - 1, K, generator=g).half()
+    out["others " + name] = bool(torch.equal(rows(x2, wh, bh, blocks)[0, 0], half[0, 0]))
+    out["alone " + name] = bool(torch.equal(rows(xh[:, M - 1:], wh, bh, blocks)[0, 0], half[0, M - 1]))
+    w2 = w.clone()
+    w2[N - 1] = torch.randn(K, generator=g)
+    out["changed " + name] = (rows(x, w2, b, blocks) - want).abs().max().item() / want.abs().max().item()
+print(json.dumps(out))
+"""
+
+
+def interpret(script: str) -> dict:
+    r = subprocess.run([sys.executable, "-c", script], env={**os.environ, "TRITON_INTERPRET": "1"},
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.splitlines()[-1])
 
 
-def of(results: dict, kind: str) -> dict:
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return interpret(SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def rows_results() -> dict:
+    return interpret(ROWS_SCRIPT)
+
+
+def of(results: dict, kind: str, cases: int = 4) -> dict:
     picked = {k: v for k, v in results.items() if k.startswith(kind + " ")}
-    assert len(picked) == 4, picked
+    assert len(picked) == cases, picked
     return picked
 
 
@@ -82,6 +132,37 @@ def test_a_changed_weight_row_is_caught(results):
     assert min(of(results, "changed").values()) > 0.05
 
 
+def test_rows_matches_f_linear_in_float32(rows_results):
+    assert all(of(rows_results, "shape", 5).values())
+    assert max(of(rows_results, "fp32", 5).values()) < 1e-5
+
+
+def test_rows_in_half_precision_stays_within_a_few_roundings(rows_results):
+    assert max(of(rows_results, "fp16", 5).values()) < 0.005  # fp16 keeps 11 bits: 2^-11 is 0.05% of the scale
+
+
+def test_rows_gives_each_token_the_bits_of_its_own_row(rows_results):
+    """What deterministic mode needs of a forward of W rows: the same bits twice, whatever the other rows hold."""
+    assert all(of(rows_results, "again", 5).values())
+    assert all(of(rows_results, "others", 5).values())
+    assert all(of(rows_results, "alone", 5).values())
+
+
+def test_rows_catches_a_changed_weight_row(rows_results):
+    assert min(of(rows_results, "changed", 5).values()) > 0.05
+
+
+@pytest.mark.parametrize("m", [0, gemv.MAX_ROWS + 1])
+def test_rows_refuses_no_rows_and_more_than_max_rows(m):
+    with pytest.raises(ValueError, match=f"1 to {gemv.MAX_ROWS} rows"):
+        gemv.rows(torch.zeros(m, 8), torch.zeros(4, 8))
+
+
+def test_rows_refuses_a_block_smaller_than_the_rows():
+    with pytest.raises(ValueError, match="block_m 16 holds fewer than the 17 rows"):
+        gemv.rows(torch.zeros(17, 8), torch.zeros(4, 8), blocks=(16, 16, 32, 4, 2))
+
+
 def test_gemv_refuses_more_than_one_row():
     with pytest.raises(ValueError, match="one row"):
         gemv.gemv(torch.zeros(2, 8), torch.zeros(4, 8))
@@ -94,7 +175,7 @@ def test_linear_keeps_cublas_off_the_gpu_and_for_autograd():
     ref = torch.nn.Linear(8, 4)
     ref.load_state_dict(lin.state_dict())
     x = torch.randn(1, 8, requires_grad=True)
-    assert not gemv.available(x, lin.weight)
+    assert not gemv.available(x, lin.weight) and not gemv.available(torch.randn(3, 8), lin.weight)
     assert torch.equal(lin(x), ref(x))
     lin(x).sum().backward()
     assert lin.weight.grad is not None and x.grad is not None

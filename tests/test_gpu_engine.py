@@ -303,10 +303,12 @@ def test_shared_experts_read_in_the_routed_experts_launches(monkeypatch):
 @pytest.mark.parametrize("n,k,bias", [(6144, 4096, False), (4096, 14336, False), (3072, 2048, True), (1344, 2048, False)])
 def test_gemv_linear_on_cuda(n, k, bias, monkeypatch):
     """engine.gemv.Linear at one bf16 row takes the kernel (within bf16's roundings of cuBLAS, the same bits in a
-    CUDA graph and under torch.compile); at two rows, or switched off, it is cuBLAS's F.linear exactly."""
+    CUDA graph and under torch.compile); at two rows with `few_rows` off, or switched off, it is cuBLAS's F.linear
+    exactly."""
     from engine import gemv
 
     monkeypatch.setattr(gemv, "enabled", True)  # whether the engine's default has it on or off
+    monkeypatch.setattr(gemv, "few_rows", False)
     g = torch.Generator(device="cuda").manual_seed(3)
     lin = gemv.Linear(k, n, bias=bias).cuda().bfloat16()
     lin.weight.normal_(0, k ** -0.5, generator=g)
@@ -333,3 +335,43 @@ def test_gemv_linear_on_cuda(n, k, bias, monkeypatch):
     graph.replay()
     assert torch.equal(captured, gemv.gemv(x, lin.weight, lin.bias))
     assert torch.equal(torch.compile(lin, fullgraph=True)(x), captured)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("n,k,bias,m", [(6144, 4096, False, 8), (4096, 14336, False, 33), (3072, 2048, True, 2),
+                                        (1344, 2048, False, 64), (4096, 4096, False, 16)])
+def test_rows_linear_on_cuda(n, k, bias, m, monkeypatch):
+    """engine.gemv.Linear at 2 to MAX_ROWS bf16 rows takes the few-row kernel: within bf16's roundings of cuBLAS,
+    each token's bits independent of the other rows, the same bits in a CUDA graph and under torch.compile; past
+    MAX_ROWS, or with `few_rows` off, it is cuBLAS's F.linear exactly."""
+    from engine import gemv
+
+    monkeypatch.setattr(gemv, "enabled", True)
+    monkeypatch.setattr(gemv, "few_rows", True)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    lin = gemv.Linear(k, n, bias=bias).cuda().bfloat16()
+    lin.weight.normal_(0, k ** -0.5, generator=g)
+    x = torch.randn(1, m, k, device="cuda", generator=g).bfloat16()
+    calls, kernel = [], gemv.rows
+    monkeypatch.setattr(gemv, "rows", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    out = lin(x)
+    assert calls == [x.shape]
+    monkeypatch.setattr(gemv, "rows", kernel)
+    cublas = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    scale = cublas.float().abs().max().item()
+    assert (out.float() - cublas.float()).abs().max().item() < 2e-2 * scale
+    other = x.clone()
+    other[0, 1:].normal_(generator=g)
+    assert torch.equal(lin(other)[0, 0], out[0, 0])  # a token's bits are its own row's
+    assert torch.equal(lin(x[:, -1:].contiguous().expand(1, m, k).contiguous())[0, 0], out[0, -1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = lin(x)
+    x.normal_(generator=g)
+    graph.replay()
+    assert torch.equal(captured, kernel(x, lin.weight, lin.bias))
+    assert torch.equal(torch.compile(lin, fullgraph=True)(x), captured)
+    many = torch.randn(1, gemv.MAX_ROWS + 1, k, device="cuda", generator=g).bfloat16()
+    assert torch.equal(lin(many), torch.nn.functional.linear(many, lin.weight, lin.bias))
+    monkeypatch.setattr(gemv, "few_rows", False)
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
