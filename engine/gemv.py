@@ -56,10 +56,12 @@ MAX_ROWS = 64  # the largest verify (a tree's draft-token budget); prefill chunk
 
 def row_blocks(m: int, k: int) -> tuple[int, int, int, int, int]:
     """(block_m, block_n, block_k, num_warps, num_stages) for `rows` at m tokens and k inputs: the tokens padded to
-    a power of two of at least 16 (tl.dot's smallest side), narrow weight blocks so that even the small products
-    spread over every SM, and a pipelined K loop."""
+    a power of two of at least 16 (tl.dot's smallest side) and a pipelined K loop. Every program re-reads the
+    tokens' rows (from L2) beside its weight block, m/block_n of the weight's bytes, so the weight block widens
+    with m, as far as the smaller products (4096 outputs at the 8B shape) still give every SM a program. Unmeasured
+    defaults: scripts/bench-gemv.py --rows sweeps them on a GPU."""
     block_m = max(16, 1 << (m - 1).bit_length())
-    return (block_m, 16, 256, 4, 4) if block_m <= 16 else (block_m, 32, 128, 4, 3)
+    return (block_m, 32, 256, 4, 4) if block_m <= 16 else (block_m, 64, 128, 4, 3)
 
 
 enabled = True  # benchmarks switch it off to time cuBLAS at every one-row product

@@ -37,8 +37,8 @@ MIN_BYTES = 256 * 2 ** 20  # weight bytes per graph round: five times an H200's 
 # (block_n, block_k, num_warps) of the one-row kernel
 CONFIGS = [(4, 2048, 8), (4, 1024, 4), (2, 1024, 4), (2, 2048, 8), (8, 1024, 4), (4, 512, 4)]
 # (block_n, block_k, num_warps, num_stages) of the few-row kernel; block_m is the rows' (engine.gemv.row_blocks)
-ROW_CONFIGS = [(16, 256, 4, 4), (16, 256, 2, 4), (16, 512, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3),
-               (16, 128, 4, 6)]
+ROW_CONFIGS = [(32, 256, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3), (32, 128, 4, 4), (32, 512, 4, 2), (64, 128, 4, 3),
+               (64, 256, 8, 3)]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
