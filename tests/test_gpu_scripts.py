@@ -33,6 +33,9 @@ BAD_ARGUMENTS = [
     ("bench-gemv.py", ["--shape", ","], "--shape"),
     ("bench-gemv.py", ["--samples", "2"], "--samples"),
     ("kernel-report.py", ["--shape", "no-such-shape"], "--shape"),
+    ("bench-gemv.py", ["--rows", "0"], "--rows"),
+    ("bench-gemv.py", ["--rows", "8,x"], "--rows"),
+    ("bench-gemv.py", ["--rows", "65"], "--rows"),
     ("bench-moe-decode.py", ["--tokens", "1,x"], "--tokens"),
     ("bench-moe-decode.py", ["--tokens", "0"], "--tokens"),
     ("bench-moe-decode.py", ["--shape", "llama-3.1-8b"], "--shape"),  # not an MoE shape
