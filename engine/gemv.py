@@ -104,14 +104,14 @@ if triton is not None:
 
     @triton.jit
     def _gemm_rows(X, W, Bias, Y, M, N, sx_m, sw_n, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, STAGES: tl.constexpr, HAS_BIAS: tl.constexpr):
+                   BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr):
         # the weight block is the product's left side (BLOCK_N rows, at least 16) and the tokens its right side, so
         # a few tokens fill tl.dot's narrow side: acc[n, m] = sum_k W[n, k] X[m, k]
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         toks = tl.arange(0, BLOCK_M)
         in_rows, in_toks = rows < N, toks < M
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        for k0 in range(0, K, BLOCK_K):  # software-pipelined: num_stages copies in flight
             cols = k0 + tl.arange(0, BLOCK_K)
             in_cols = cols < K
             w = tl.load(W + rows[:, None] * sw_n + cols[None, :], mask=in_rows[:, None] & in_cols[None, :],
@@ -160,8 +160,8 @@ def rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     _gemm_rows[(triton.cdiv(N, block_n),)](
         x2, weight, bias if bias is not None else weight, y, m, N, x2.stride(0), weight.stride(0), K=K,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=num_stages, HAS_BIAS=bias is not None,
-        num_warps=num_warps)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None, num_warps=num_warps,
+        num_stages=num_stages)
     return y
 
 

@@ -123,7 +123,8 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "samples": a.samples,
                           "products": out}, indent=1))
         return 0
-    print(f"products of {a.rows} rows, {torch.cuda.get_device_name()} (torch {torch.__version__}), median of {a.samples} "
+    print(f"products of {a.rows} rows, {torch.cuda.get_device_name()} (torch {torch.__version__}), "
+          f"median of {a.samples} "
           f"interleaved samples")
     for p in out:
         print(f"\n{p['shape']} {p['product']} [{p['n']} x {p['k']}] at {p['m']} rows, the engine runs {p['engine']}")

@@ -6,15 +6,16 @@ bytes per thread, shared memory per block, software-pipelined copies (cp.async, 
     python scripts/kernel-report.py [--shape llama-3.1-8b,llama-3.2-1b,deepseek-v3-mini] [--json]
 
 Why: Triton's interpreter (the CPU tests) checks what a kernel computes, not what it becomes on the GPU: a kernel
-can pass it and fail to compile there (a module global read as other than a tl.constexpr, docs/findings.md
-section 25), spill its registers, ask for more shared memory than a block may have, or run its loop over K
-unpipelined. Each of those costs a lease's minutes to find. (Registers at the limit, 255, are a hint too: ptxas
-then issues a fully unrolled kernel's loads fewer at a time rather than spill, which no count here shows.) Here each launch goes through the engine's own wrapper (engine.gemv.gemv, engine.decode_attention's split-KV
-attention, engine.moe_decode.routed_experts) with CPU tensors of the shape's sizes; the kernel object is swapped
-for one that compiles instead of launching (JITFunction.warmup, under a stand-in driver that names sm_90), so the
-arguments, their specialization (alignment, divisibility by 16) and the compile options are the JIT's own on the
-GPU. The resources are read from the compiled binary (cuobjdump, shipped with Triton). Nothing is timed: what
-runs fast is a benchmark's question (scripts/bench-gemv.py, scripts/ab-decode.py).
+can pass it and fail to compile there (a module global read as other than a tl.constexpr, docs/findings.md section
+25), spill its registers, ask for more shared memory than a block may have, or run its loop over K unpipelined. Each
+of those costs a lease's minutes to find. (Registers at the limit, 255, are a hint too: ptxas then issues a fully
+unrolled kernel's loads fewer at a time rather than spill, which no count here shows.) Here each launch goes through
+the engine's own wrapper (engine.gemv.gemv and .rows, engine.decode_attention's split-KV attention,
+engine.moe_decode.routed_experts) with CPU tensors of the shape's sizes; the kernel object is swapped for one that
+compiles instead of launching (JITFunction.warmup, under a stand-in driver that names sm_90), so the arguments,
+their specialization (alignment, divisibility by 16) and the compile options are the JIT's own on the GPU. The
+resources are read from the compiled binary (cuobjdump, shipped with Triton). Nothing is timed: what runs fast is a
+benchmark's question (scripts/bench-gemv.py, scripts/ab-decode.py).
 
 Exit: 0 every launch compiled within the limits; 1 some launch failed to compile, spilled, or asked for more
 shared memory than a block of sm_90 may have; 2 bad arguments; 3 no Triton here.
@@ -51,6 +52,7 @@ NO_TRITON = 3
 SM90_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 DECODE_CACHE, LONG_CACHE = 384, 33152  # the caches baseline-decode decodes in: 128 + 256 tokens, and after 32K
 VERIFY_TOKENS = 8  # a chain of 7 drafts' verify
+TREE_TOKENS = 32  # a tree's verify (tree-sweep's k8x4n32)
 
 
 @dataclass
@@ -153,6 +155,9 @@ def gemv_launches(shape: str, found: list[Launch]) -> None:
             continue  # cuBLAS takes it
         with compiling(gemv, ("_gemv_rows",), f"{shape} {name} [{n} x {k}], 1 row", found):
             gemv.gemv(empty(1, k), empty(n, k))
+        for m in (VERIFY_TOKENS, TREE_TOKENS):
+            with compiling(gemv, ("_gemm_rows",), f"{shape} {name} [{n} x {k}], {m} rows", found):
+                gemv.rows(empty(m, k), empty(n, k))
 
 
 def attention_launches(shape: str, found: list[Launch]) -> None:

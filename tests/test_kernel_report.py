@@ -17,7 +17,7 @@ import triton.language as tl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "kernel-report.py"
-ENGINE_KERNELS = {"_gemv_rows", "_splitkv_partial", "_splitkv_merge", "_gemv_gate_up", "_gemv_down"}
+ENGINE_KERNELS = {"_gemv_rows", "_gemm_rows", "_splitkv_partial", "_splitkv_merge", "_gemv_gate_up", "_gemv_down"}
 NOT_CONSTEXPR = 4  # read by _reads_a_global: a kernel may read a module global only as a tl.constexpr
 
 
@@ -77,6 +77,11 @@ def test_every_engine_kernel_compiles_for_sm90_within_a_blocks_shared_memory(eng
                    "registers and spill (docs/findings.md, section 26); a fix waits for a GPU to time it")
 def test_no_engine_kernel_spills(engine_report):
     assert [x for x in engine_report["launches"] if x["problems"]] == [] and engine_report["rc"] == 0
+
+
+def test_the_few_row_products_loop_over_k_is_pipelined(engine_report):
+    rows = [x for x in engine_report["launches"] if x["kernel"] == "_gemm_rows"]
+    assert len(rows) == 2 * 16 and all(x["pipelined_copies"] > 0 for x in rows)  # 2 row counts, 16 products
 
 
 def test_the_long_context_attention_loop_is_pipelined(engine_report):
