@@ -42,6 +42,11 @@ def available(q: torch.Tensor, k: torch.Tensor, rows: int) -> bool:
 
 
 if triton is not None:
+    # The merge's partials in flight: all of a decode step's splits (its real rows hold MERGE_TILE values a split
+    # at most: 4 query heads a KV head, head dim 128), and MERGE_VALUES values' worth of splits at a time of a
+    # verify's wider ones. Constexprs: kernels read them.
+    MERGE_TILE = tl.constexpr(4 * 128)
+    MERGE_VALUES = tl.constexpr(2 * 32 * 128)
 
     @triton.jit
     def _splitkv_partial(Q, K, V, Mask, O, ML, Out, Counts, S, T, n_kv,
@@ -89,10 +94,22 @@ if triton is not None:
                 tl.atomic_xchg(Counts + bh, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
+    def _merge_split(O, ML, base, rows, real, dv, m_all, l, acc, DV: tl.constexpr):
+        """One split's partial added into the running (l, acc) at the common max m_all."""
+        w = tl.exp(tl.load(ML + (base + rows) * 2, mask=real, other=float("-inf"), cache_modifier=".cg") - m_all)
+        l += w * tl.load(ML + (base + rows) * 2 + 1, mask=real, other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * tl.load(O + (base + rows[:, None]) * DV + dv[None, :], mask=real[:, None], other=0.0,
+                                    cache_modifier=".cg")
+        return l, acc
+
+    @triton.jit
     def _merge(O, ML, Out, out_off, so_r, bh, R: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr,
                N_SPLIT: tl.constexpr):
         """The splits of one KV head, by log-sum-exp, in split order. Loads bypass L1 (.cg): other blocks wrote
-        them in this kernel. The loops unroll, so every split's loads are in flight at once."""
+        them in this kernel. A decode step's loops unroll, so every split's loads are in flight at once; a wider
+        partial (a verify's rows: over MERGE_TILE values in its real rows) unrolls MERGE_VALUES values' worth of
+        splits at a time, which the registers hold (over all the splits of a long context they spill:
+        scripts/kernel-report.py)."""
         rows = tl.arange(0, BLOCK_R)
         real = rows < R  # only the real rows were stored: the padding rows' loads are masked off, never read
         dv = tl.arange(0, DV)
@@ -103,12 +120,12 @@ if triton is not None:
         m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
         l = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, DV], tl.float32)
-        for i in tl.static_range(N_SPLIT):
-            base = (bh * N_SPLIT + i) * BLOCK_R
-            w = tl.exp(tl.load(ML + (base + rows) * 2, mask=real, other=float("-inf"), cache_modifier=".cg") - m_all)
-            l += w * tl.load(ML + (base + rows) * 2 + 1, mask=real, other=0.0, cache_modifier=".cg")
-            acc += w[:, None] * tl.load(O + (base + rows[:, None]) * DV + dv[None, :], mask=real[:, None], other=0.0,
-                                        cache_modifier=".cg")
+        if R * DV <= MERGE_TILE:
+            for i in tl.static_range(N_SPLIT):
+                l, acc = _merge_split(O, ML, (bh * N_SPLIT + i) * BLOCK_R, rows, real, dv, m_all, l, acc, DV)
+        else:
+            for i in tl.range(N_SPLIT, loop_unroll_factor=max(1, MERGE_VALUES // (R * DV))):
+                l, acc = _merge_split(O, ML, (bh * N_SPLIT + i) * BLOCK_R, rows, real, dv, m_all, l, acc, DV)
         out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # padding rows have l = 0
         tl.store(Out + out_off + rows[:, None] * so_r + dv[None, :], out.to(Out.dtype.element_ty),
                  mask=real[:, None])
