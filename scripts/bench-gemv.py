@@ -29,8 +29,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine import gemv  # noqa: E402
-from engine.shapes import SHAPES  # noqa: E402
-from gpu_bench import NO_CUDA, cuda_missing, graph_of, products, us_per_call  # noqa: E402
+from gpu_bench import (NO_CUDA, add_shape_option, cuda_missing, graph_of, products, shapes_of,  # noqa: E402
+                       us_per_call)
 
 REPLAYS = 20
 MIN_BYTES = 256 * 2 ** 20  # weight bytes per graph round: five times an H200's L2
@@ -44,17 +44,13 @@ ROW_CONFIGS = [(32, 256, 4, 4), (16, 256, 4, 4), (16, 512, 4, 3), (32, 128, 4, 4
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="llama-3.1-8b,llama-3.2-1b,deepseek-v3-mini",
-                   help="shapes of engine/shapes.py, comma-separated")
+    add_shape_option(p)
     p.add_argument("--rows", default="1", help="tokens per product, comma-separated: 1 times the one-row kernel, "
                    f"2 to {gemv.MAX_ROWS} the few-row one (a verify of that many tokens)")
     p.add_argument("--samples", type=int, default=7)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     a = p.parse_args(argv)
-    a.shapes = [s for s in a.shape.split(",") if s]
-    unknown = [s for s in a.shapes if s not in SHAPES]
-    if unknown or not a.shapes:
-        p.error(f"--shape: unknown {', '.join(unknown) or '(none)'}; known: {', '.join(SHAPES)}")
+    a.shapes = shapes_of(p, a.shape)
     try:
         a.row_counts = [int(r) for r in a.rows.split(",") if r]
     except ValueError:

@@ -4,6 +4,7 @@ kernel-report.py) share: their refusal without a GPU (exit 3), timing calls insi
 from __future__ import annotations
 
 import sys
+import argparse
 from collections.abc import Callable, Sequence
 
 import torch
@@ -60,3 +61,17 @@ def products(shape: str) -> list[tuple[str, int, int]]:
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     return [("wqkv", q + 2 * kv, h), ("o_proj", h, q), ("w13", 2 * c.intermediate_size, h),
             ("down_proj", h, c.intermediate_size), ("lm_head", c.vocab_size, h)]
+
+
+def add_shape_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", default="llama-3.1-8b,llama-3.2-1b,deepseek-v3-mini",
+                   help="shapes of engine/shapes.py, comma-separated")
+
+
+def shapes_of(p: argparse.ArgumentParser, value: str) -> list[str]:
+    """The --shape list, or exit 2 (p.error) naming the unknown ones."""
+    shapes = [s for s in value.split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown or not shapes:
+        p.error(f"--shape: unknown {', '.join(unknown) or '(none)'}; known: {', '.join(SHAPES)}")
+    return shapes

@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 from engine.config import ModelConfig  # noqa: E402
 from engine.shapes import SHAPES  # noqa: E402
-from gpu_bench import products  # noqa: E402
+from gpu_bench import add_shape_option, products, shapes_of  # noqa: E402
 
 try:
     import triton
@@ -206,14 +206,10 @@ def report(shapes: list[str]) -> list[Launch]:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="llama-3.1-8b,llama-3.2-1b,deepseek-v3-mini",
-                   help="shapes of engine/shapes.py, comma-separated")
+    add_shape_option(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     a = p.parse_args(argv)
-    a.shapes = [s for s in a.shape.split(",") if s]
-    unknown = [s for s in a.shapes if s not in SHAPES]
-    if unknown or not a.shapes:
-        p.error(f"--shape: unknown {', '.join(unknown) or '(none)'}; known: {', '.join(SHAPES)}")
+    a.shapes = shapes_of(p, a.shape)
     return a
 
 
