@@ -50,7 +50,7 @@ except ImportError:
 
 NO_TRITON = 3
 SM90_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
-DECODE_CACHE, LONG_CACHE = 384, 33152  # the caches baseline-decode decodes in: 128 + 256 tokens, and after 32K
+DECODE_CACHE, LONG_CACHE = 384, 33024  # the caches baseline-decode decodes in: 128 + 256 tokens, and 32768 + 256
 VERIFY_TOKENS = 8  # a chain of 7 drafts' verify
 
 

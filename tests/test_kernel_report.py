@@ -78,7 +78,8 @@ def test_no_engine_kernel_spills(engine_report):
 
 def test_the_long_context_attention_loop_is_pipelined(engine_report):
     """The split-KV partial kernel's loop over a long split streams its K/V tiles through cp.async stages."""
-    long = [x for x in engine_report["launches"] if x["kernel"] == "_splitkv_partial" and "33152" in x["case"]]
+    cache = f"cache of {report_module().LONG_CACHE}"
+    long = [x for x in engine_report["launches"] if x["kernel"] == "_splitkv_partial" and x["case"].endswith(cache)]
     assert len(long) == 4 and all(x["pipelined_copies"] > 0 for x in long)
 
 
