@@ -54,14 +54,21 @@ def blocks(k: int) -> tuple[int, int, int]:
 MAX_ROWS = 64  # the largest verify (a tree's draft-token budget); prefill chunks stay on cuBLAS
 
 
-def row_blocks(m: int, k: int) -> tuple[int, int, int, int, int]:
-    """(block_m, block_n, block_k, num_warps, num_stages) for `rows` at m tokens and k inputs: the tokens padded to
-    a power of two of at least 16 (tl.dot's smallest side) and a pipelined K loop. Every program re-reads the
-    tokens' rows (from L2) beside its weight block, m/block_n of the weight's bytes, so the weight block widens
-    with m, as far as the smaller products (4096 outputs at the 8B shape) still give every SM a program. Unmeasured
-    defaults: scripts/bench-gemv.py --rows sweeps them on a GPU."""
+SMS = 132  # an H100's or H200's SMs: the programs a product should give at least one each
+
+
+def row_blocks(m: int, k: int, n: int) -> tuple[int, int, int, int, int]:
+    """(block_m, block_n, block_k, num_warps, num_stages) for `rows` at m tokens, k inputs and n outputs: the
+    tokens padded to a power of two of at least 16 (tl.dot's smallest side) and a pipelined K loop. Every program
+    re-reads the tokens' rows (from L2) beside its weight block, m/block_n of the weight's bytes, so the weight
+    block widens with m, but only as far as the product still gives every SM a program (a narrow one, such as the
+    output projection, would otherwise stream from a third of the GPU). Unmeasured defaults:
+    scripts/bench-gemv.py --rows sweeps them on a GPU."""
     block_m = max(16, 1 << (m - 1).bit_length())
-    return (block_m, 32, 256, 4, 4) if block_m <= 16 else (block_m, 64, 128, 4, 3)
+    block_n = 32 if block_m <= 16 else 64
+    while block_n > 16 and n < block_n * SMS:
+        block_n //= 2
+    return (block_m, block_n, 256, 4, 4) if block_m <= 16 else (block_m, block_n, 128, 4, 3)
 
 
 enabled = True  # benchmarks switch it off to time cuBLAS at every one-row product
@@ -145,13 +152,13 @@ def rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          blocks: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """x [..., K] holding 2 to MAX_ROWS rows; weight [N, K] contiguous along K; bias [N] or None -> [..., N] in x's
     dtype: F.linear(x, weight, bias). `blocks` (block_m, block_n, block_k, num_warps, num_stages) defaults to
-    `row_blocks(M, K)`; the benchmark sweeps it."""
+    `row_blocks(M, K, N)`; the benchmark sweeps it."""
     N, K = weight.shape
     m = n_rows(x)
     if x.shape[-1] != K or not 0 < m <= MAX_ROWS or weight.stride(-1) != 1:
         raise ValueError(f"rows: 1 to {MAX_ROWS} rows of {K} inputs and a weight contiguous along K, "
                          f"got x {tuple(x.shape)}")
-    block_m, block_n, block_k, num_warps, num_stages = blocks or row_blocks(m, K)
+    block_m, block_n, block_k, num_warps, num_stages = blocks or row_blocks(m, K, N)
     if block_m < m:
         raise ValueError(f"rows: block_m {block_m} holds fewer than the {m} rows")
     x2 = x.reshape(m, K)

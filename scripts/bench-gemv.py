@@ -71,7 +71,7 @@ def kernel_variants(x: torch.Tensor, ws: list[torch.Tensor]) -> dict[str, list]:
             tag = f"gemv {bn}/{bk}/{nw}" + (" (engine)" if (bn, bk, nw) == gemv.blocks(k) else "")
             out[tag] = [lambda w=w, c=(bn, bk, nw): gemv.gemv(x, w, None, *c) for w in ws]
         return out
-    engine = gemv.row_blocks(m, k)
+    engine = gemv.row_blocks(m, k, ws[0].shape[0])
     for bn, bk, nw, ns in ROW_CONFIGS:
         c = (engine[0], bn, bk, nw, ns)
         tag = f"rows {bn}/{bk}/{nw}/{ns}" + (" (engine)" if c == engine else "")
