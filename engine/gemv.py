@@ -45,7 +45,21 @@ def blocks(k: int) -> tuple[int, int, int]:
     return WIDE_BLOCKS if NARROW_K < k <= WIDE_K else NARROW_BLOCKS
 
 
+def prologue_blocks(k: int, prologue: int) -> tuple[int, int, int]:
+    """(block_n, block_k, num_warps) of a product with a prologue, k its inputs: with `wide_prologue` more rows a
+    program than `blocks` gives, so that fewer programs recompute the prologue over the whole row (each reads the
+    row, and for the norm the residual and the norm's weight, from L2). The widest that compile for sm_90 without
+    spilling (scripts/kernel-report.py's way, 2026-12-04): the norm 16 rows up to 2048 inputs and 8 above, SwiGLU
+    8 rows."""
+    if not wide_prologue:
+        return blocks(k)
+    if prologue == ADD_NORM:
+        return (16, 2048, 8) if k <= 2048 else (8, 2048, 8)
+    return (8, 2048, 8) if k <= 8192 else (8, 1024, 8)
+
+
 enabled = True  # benchmarks switch it off to time cuBLAS at every one-row product
+wide_prologue = True  # and this one to time the prologue kernels at `blocks`' rows a program
 
 
 def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -136,6 +150,7 @@ def add_norm_gemv(h: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
     block_k, num_warps as `gemv` takes them."""
     _check_row(h, weight, weight.shape[1])
     x = torch.empty_like(h)
+    blocks = blocks or dict(zip(("block_n", "block_k", "num_warps"), prologue_blocks(weight.shape[1], ADD_NORM)))
     return x, _launch(h, weight, bias, ADD_NORM, x2=residual, norm_weight=norm_weight, eps=eps, xout=x, **blocks)
 
 
@@ -144,6 +159,7 @@ def swiglu_gemv(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """F.linear(silu(gate) * up, weight, bias) for gate_up [..., 2K] = (gate, up), one row: the MLP's activation
     and its down projection in one kernel, within roundings of the unfused pair."""
     _check_row(gate_up, weight, 2 * weight.shape[1])
+    blocks = blocks or dict(zip(("block_n", "block_k", "num_warps"), prologue_blocks(weight.shape[1], SWIGLU)))
     return _launch(gate_up, weight, bias, SWIGLU, **blocks)
 
 
