@@ -293,7 +293,7 @@ def target(root: Path, name: str, profile: str, overrides: dict[str, Any] | None
     upstream = {d: target(root, d, profile, None, (*_chain, name)) for d in rb.depends
                 if d in (*_chain, name) or profile in load(root, d).profiles}
     inputs = {i: input_fingerprint(root, i) for i in rb.inputs}
-    engine = engine_hash(root, rb.source)
+    engine = engine_hash(root, rb.source, params)
     h = inputs_hash(rb.hashed_source, params, engine, {d: t.inputs_hash for d, t in upstream.items()}, inputs)
     return Target(rb, profile, params, inputs, engine, upstream, h, root / ".specbook" / "outputs" / name / profile / h)
 

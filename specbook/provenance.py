@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import datetime as dt
 import functools
 import hashlib
@@ -17,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from specbook import RunFailed, project
+from specbook import RunFailed, codehash, project
 
 # environment variables that change performance, or which code paths the CPU's math takes (and so its rounding)
 ENV_PREFIXES = ("NCCL_", "CUDA_", "TORCH_", "OMP_", "PYTORCH_", "ATEN_", "MKL_", "ONEDNN_", "DNNL_", "OPENBLAS_")
@@ -64,66 +63,79 @@ def file_hash(path: str | os.PathLike) -> str:
     return sha(Path(path).read_bytes())
 
 
-def engine_hash(root: Path, source: str | None = None) -> str:
-    """Hash of the engine code a runbook uses (paths and contents): the modules of the configured engine package
-    (tool.specbook.engine_package) its source imports, followed through their own imports, so a change to the server
-    does not make a decode benchmark stale. Without a source, or when it does not parse, all of PACKAGE/**/*.py;
-    without a configured package, no code."""
+def engine_hash(root: Path, source: str | None = None, params: dict | None = None) -> str:
+    """Hash of the engine code a runbook runs, by meaning (specbook.codehash): the top-level definitions of the
+    configured engine package (tool.specbook.engine_package) that its source and the string values of its
+    parameters reach, without docstrings or comments. Without a source, or when it does not parse, every definition
+    of the package; without a configured package, no code."""
+    units, mods = engine_units(root, source, params)
+    return codehash.digest(units, mods)
+
+
+def engine_units(root: Path, source: str | None = None, params: dict | None = None,
+                 files: dict[str, str] | None = None) -> tuple[list[codehash.Unit], dict[str, codehash.Module]]:
+    """The engine definitions a runbook reaches, and the package's modules; `files` ({path: source}, e.g. another
+    commit's) instead of the working tree's."""
     package = project.settings(root).engine_package
-    # by the package's contents: status resolves every runbook on every profile, and following imports is the cost
-    code = [*(root / package).rglob("*.py"), root / f"{package}.py"] if package is not None else []
-    contents = tuple(sorted((p.as_posix(), sha(p.read_bytes())) for p in code if p.is_file()))
-    return _engine_hash(root, source, package, contents)
+    if package is None:
+        return [], {}
+    files = codehash.read_package(root, package) if files is None else files
+    return _reached(package, tuple(sorted(files.items())), source, frozenset(codehash.strings(params or {})))
 
 
-@functools.lru_cache(maxsize=512)
-def _engine_hash(root: Path, source: str | None, package: str | None, contents: tuple) -> str:
-    files: set[Path] | None = set()
-    if package is not None:
-        files = engine_files(root, source, package) if source is not None else None
-        if files is None:
-            files = set((root / package).rglob("*.py"))
-    h = hashlib.sha256()
-    for p in sorted(files):
-        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
+@functools.lru_cache(maxsize=512)  # keyed by content: status resolves every runbook on every profile
+def _reached(package: str, files: tuple[tuple[str, str], ...], source: str | None, strings: frozenset[str]
+             ) -> tuple[list[codehash.Unit], dict[str, codehash.Module]]:
+    mods = codehash.modules(dict(files))
+    units = codehash.reachable(mods, source, strings) if source is not None else None
+    if units is None:
+        return [u for m in mods.values() for u in m.units], mods
+    return units, mods
 
 
-@functools.lru_cache(maxsize=1024)  # keyed by content: status resolves every runbook on every profile, and each
-def _imported(source: str, package: str) -> frozenset[str]:  # walks the same engine modules
-    """Dotted module names an import statement anywhere in the source may load (`from a import b` may be a.b)."""
-    names = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module)
-            names.update(f"{node.module}.{a.name}" for a in node.names)
-    return frozenset(n for n in names if n == package or n.startswith(package + "."))
+def engine_files(root: Path, source: str, package: str | None = None) -> set[Path]:
+    """The files of the engine package that hold code the source reaches."""
+    units, mods = engine_units(root, source)
+    return {root / mods[u.module].path for u in units}
 
 
-def engine_files(root: Path, source: str, package: str) -> set[Path] | None:
-    """The files of `package` the source imports, transitively, package __init__ files included; None if
-    unparsable."""
-    try:
-        todo = list(_imported(source, package))
-    except SyntaxError:
+def engine_changes(root: Path, commit: str, source: str | None, params: dict | None = None) -> dict[str, list[str]] | None:
+    """What changed in the engine code a runbook reaches since `commit`: {path: [definitions added, removed or
+    changed]}; None when the commit's files cannot be read (not in this clone, or no git)."""
+    package = project.settings(root).engine_package
+    if package is None or not re.fullmatch(r"[0-9a-f]{40}", commit or ""):
         return None
-    seen: set[str] = set()
-    files: set[Path] = set()
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        parts = name.split(".")
-        for i in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__ and a/b/__init__ too
-            base = root.joinpath(*parts[:i])
-            for f in (base.with_suffix(".py"), base / "__init__.py"):
-                if f.is_file() and f not in files:
-                    files.add(f)
-                    todo.extend(_imported(f.read_text(), package))
-    return files
+    then = _files_at(root, commit, package)
+    if then is None:
+        return None
+    before = codehash.by_label(*engine_units(root, source, params, then))
+    after = codehash.by_label(*engine_units(root, source, params))
+    return codehash.changes(before, after)
+
+
+@functools.lru_cache(maxsize=16)
+def _files_at(root: Path, commit: str, package: str) -> dict[str, str] | None:
+    """{path: source} of the package's .py files at a commit, from git; None when git cannot show them."""
+    listing = _git(root, "ls-tree", "-r", "--name-only", "--end-of-options", commit, "--", package, f"{package}.py")
+    if listing is None:
+        return None
+    paths = [p for p in listing.splitlines() if p.endswith(".py")]
+    batch = "".join(f"{commit}:{p}\n" for p in paths)
+    try:
+        r = subprocess.run(["git", "cat-file", "--batch"], cwd=root, input=batch.encode(), capture_output=True,
+                           timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if r.returncode != 0:
+        return None
+    out, data = {}, r.stdout
+    for p in paths:
+        header, _, data = data.partition(b"\n")
+        if header.endswith(b" missing"):
+            return None
+        size = int(header.split()[-1])
+        out[p], data = data[:size].decode("utf-8", "replace"), data[size + 1:]
+    return out
 
 
 def inputs_hash(runbook_source: str, params: dict, engine: str, upstream: dict[str, str],
@@ -286,7 +298,7 @@ def fingerprint(root: Path, runbook_source: str | None = None, params: dict | No
         "git_dirty": dirty,
         "runbook_hash": sha(runbook_source) if runbook_source is not None else None,
         "params_hash": sha(canonical(params)) if params is not None else None,
-        "engine_hash": engine_hash(root, runbook_source),
+        "engine_hash": engine_hash(root, runbook_source, params),
         "versions": versions(),
         **machine(),
         "env": dict(sorted({**{k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES)},

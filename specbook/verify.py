@@ -150,14 +150,26 @@ def _current(root: Path, name: str, profile: str, cache: dict) -> Target | Excep
     return cache[key]
 
 
-def why_stale(t: Target, run: dict[str, Any]) -> str:
-    """Which inputs changed since `run`, from the hashes its provenance kept."""
+def why_stale(root: Path, t: Target, run: dict[str, Any]) -> str:
+    """Which inputs changed since `run`, from the hashes its provenance kept; for the engine, which files and
+    definitions (from the recorded commit's files, where this clone has them)."""
     p = run.get("provenance", {})
     now = {"runbook": sha(t.rb.hashed_source), "parameters": sha(canonical(t.params)), "engine": t.engine}
     then = {"runbook": p.get("runbook_hash"), "parameters": p.get("params_hash"), "engine": p.get("engine_hash")}
     changed = [k for k in now if now[k] != then[k]]
+    if "engine" in changed:
+        changed[changed.index("engine")] = engine_change(root, t, p)
     changed += [f"input {i}" for i, h in t.inputs.items() if p.get(f"{i}_manifest") != h]
     return ", ".join(changed or ["upstream"]) + " changed"
+
+
+def engine_change(root: Path, t: Target, p: dict[str, Any]) -> str:
+    """`engine (engine/gemv.py: blocks, gemv)`: where the engine code the runbook reaches differs from the recorded
+    commit's; plain `engine` when that commit is not in this clone."""
+    where = provenance.engine_changes(root, str(p.get("git_commit") or ""), t.rb.source, t.params)
+    if not where:
+        return "engine"
+    return "engine (" + "; ".join(f"{path}: {', '.join(labels)}" for path, labels in where.items()) + ")"
 
 
 def _static(root: Path, name: str, profile: str, prof: dict, here: str, cache: dict) -> list[Verdict]:
@@ -177,7 +189,7 @@ def _static(root: Path, name: str, profile: str, prof: dict, here: str, cache: d
             if isinstance(t, Exception):
                 v.state, v.inputs, v.detail = FAILED, "-", str(t)
             elif t.inputs_hash != r["inputs_hash"]:
-                v.state, v.inputs = STALE, why_stale(t, r)
+                v.state, v.inputs = STALE, why_stale(root, t, r)
         out.append(v)
     return out
 

@@ -67,7 +67,7 @@ def test_the_engine_hash_covers_the_configured_package(tmp_path):
     assert provenance.engine_hash(root) == before
     (root / "mylib" / "a.py").write_text("x = 2\n")
     assert provenance.engine_hash(root) != before
-    src = "from mylib import a\n"
+    src = "from mylib.a import x\n"
     assert provenance.engine_files(root, src, "mylib") == {root / "mylib" / "a.py"}
 
 

@@ -65,7 +65,7 @@ def _verdicts(vs: list[Verdict]) -> dict:
     return {(v.runbook, v.profile, v.metric): v.state for v in vs}
 
 
-USES_MODEL = 'import engine.model\nrecord("x", value, unit="u", direction="higher", rel_tol=0.1)'
+USES_MODEL = 'from engine.model import *  # noqa: F403 - all of it: every definition is used\nrecord("x", value, unit="u", direction="higher", rel_tol=0.1)'
 
 
 def test_stale_when_runbook_parameters_or_engine_change(tmp_path):
@@ -227,7 +227,7 @@ SPEED_RUNBOOK = runbook_text(body="""
 @pytest.mark.parametrize("gpu", [False, True])
 @pytest.mark.parametrize("engine_ms,machine,state", [
     ("2.0", "1", DRIFTED),  # the engine got slower: this tree against the recorded commit's, three times
-    ("1.0  # refactored", "2", FRESH),  # the engine changed, the machine got slower: the recorded engine is too
+    ("2.0 / 2", "2", FRESH),  # the engine changed (same value), the machine got slower: the recorded engine is too
 ])
 def test_a_drifted_noisy_number_is_judged_against_the_recorded_commit(tmp_path, monkeypatch, engine_ms, machine,
                                                                        state, gpu):
@@ -298,7 +298,7 @@ def test_side_by_side_the_recorded_commit_and_this_tree_run_at_once(tmp_path, mo
 
 @pytest.mark.parametrize("engine_ms,state", [
     ("1.9", DRIFTED),  # a slowdown inside the tolerance of a record made on a busier day
-    ("1.0  # refactored", FRESH),  # changed code that is as fast: the recorded engine measures the same
+    ("2.0 / 2", FRESH),  # changed code that is as fast: the recorded engine measures the same
 ])
 def test_with_changed_code_a_timing_within_tolerance_is_judged_against_the_recorded_commit(tmp_path, monkeypatch,
                                                                                           engine_ms, state):
@@ -331,7 +331,7 @@ EXACT_RUNBOOK = runbook_text(body="""
 @pytest.mark.parametrize("engine,elsewhere,state", [
     ("LOSS = 2.0\n", False, DRIFTED),  # the same kind of machine: an exact number must reproduce
     ("LOSS = 2.0\n", True, MOVED),  # another processor, the code as recorded: its rounding, not the code
-    ("LOSS = 2.0  # refactored\n", True, MOVED),  # changed code, another processor: the recorded commit agrees here
+    ("LOSS = 4.0 / 2\n", True, MOVED),  # changed code, another processor: the recorded commit agrees here
     ("LOSS = 2.5\n", True, DRIFTED),  # changed code that changes the number: the recorded commit disagrees here
 ])
 def test_an_exact_number_on_another_processor_is_judged_against_the_recorded_commit(tmp_path, monkeypatch, engine,
