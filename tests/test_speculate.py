@@ -251,6 +251,18 @@ def test_sampling_keeps_target_distribution(topk, n):
         assert stat < chi2_critical(df), f"token {i}: chi-square {stat:.1f} on {df} df"
 
 
+@pytest.mark.parametrize("topk,n", [(1, None), (2, 5)])
+def test_a_tiny_temperature_speculates_greedily(topk, n):
+    """Below the sampling floor the verify takes the greedy choice (not NaN probabilities: token 0 forever), so the
+    output is the target's greedy one."""
+    t = bigram_target(100.0)
+    spec = SpecDecoder(t, drafter_for(t, oracle=True, miss=3), 96, 3, topk, n)
+    base = TargetDecoder(t, 96, cuda_graphs=False)
+    for p in prompts(2):
+        got = spec.generate(p, 16, SamplingParams(temperature=1e-300), seed=1)
+        assert got.token_ids == base.generate(p, 16).token_ids, f"prompt {p}"
+
+
 # ---- tree helpers -------------------------------------------------------------------------------------------
 
 def test_tree_selection_is_closed_under_ancestors_even_with_ties():
