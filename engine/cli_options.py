@@ -73,8 +73,14 @@ def debug_requested(ctx: click.Context | None = None) -> bool:
     return bool(ctx and ctx.meta.get(DEBUG))
 
 
-def int_list(minimum: int) -> Callable[[click.Context, click.Parameter, str | None], list[int] | None]:
-    """A click callback: '1,2,4' or '1 2 4' -> [1, 2, 4], every number >= minimum."""
+# The largest number an int_list takes: no vocabulary (engine.config.MAX_SIZE), token count or size goes past it, and
+# a larger one overflows the int64 tensor it becomes
+INT_LIST_MAX = 2**31 - 1
+
+
+def int_list(minimum: int, maximum: int = INT_LIST_MAX
+             ) -> Callable[[click.Context, click.Parameter, str | None], list[int] | None]:
+    """A click callback: '1,2,4' or '1 2 4' -> [1, 2, 4], every number in minimum..maximum."""
     def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
         if value is None:
             return None
@@ -82,8 +88,8 @@ def int_list(minimum: int) -> Callable[[click.Context, click.Parameter, str | No
             out = [int(x) for x in value.replace(",", " ").split()]
         except ValueError:
             raise click.BadParameter(f"expected integers separated by commas or spaces, got {value!r}") from None
-        if not out or min(out) < minimum:
-            raise click.BadParameter(f"expected integers >= {minimum}, got {value!r}")
+        if not out or min(out) < minimum or max(out) > maximum:
+            raise click.BadParameter(f"expected integers in {minimum}..{maximum}, got {value!r:.80}")
         return out
 
     return parse

@@ -37,6 +37,13 @@ ROPE_REQUIRED = {"linear": ("factor",),
                  "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")}
 ROPE_DIVISORS = ("factor", "low_freq_factor", "high_freq_factor", "rope_theta")  # > 0: the tables divide by them
 ROPE_NUMBERS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")  # >= 0 (0: the default)
+# What the model computes that config.json could ask otherwise: the MLP gate is SiLU (transformers' ACT2FN maps
+# "swish" to SiLU too). torch_dtype (transformers 5: dtype) is how the weights were stored; the engine computes in
+# --dtype whatever it says, so any floating-point type is accepted.
+ACTIVATIONS = ("silu", "swish")
+ACTIVATION_FIELDS = ("hidden_act", "hidden_activation")
+FLOAT_DTYPES = ("float32", "float", "float16", "half", "bfloat16", "float64", "double")
+DTYPE_FIELDS = ("torch_dtype", "dtype")
 
 
 def _is_int(v: Any) -> bool:
@@ -77,6 +84,22 @@ def check_fields(values: Mapping[str, Any]) -> None:
             raise EngineError(f"config field {name} must be a JSON object or null, got {v!r}")
         elif name in ("rope_scaling", "rope_parameters") and v is not None:
             check_rope(name, v)
+        elif name in ACTIVATION_FIELDS and v is not None and v not in ACTIVATIONS:
+            raise EngineError(f"config field {name} {v!r} is not implemented (supported: {', '.join(ACTIVATIONS)})")
+        elif name in DTYPE_FIELDS and v is not None and str(v).removeprefix("torch.") not in FLOAT_DTYPES:
+            raise EngineError(f"config field {name} must name a floating-point type ({', '.join(FLOAT_DTYPES)}), "
+                              f"got {v!r}")
+        elif name == "quantization_config" and v is not None:
+            check_quantization(v)
+
+
+def check_quantization(q: Any) -> None:
+    """Quantized weights the loader cannot turn into the engine's dtype are refused: run as they are, their integer
+    codes or unscaled values would be read as weights."""
+    if not isinstance(q, Mapping):
+        raise EngineError(f"config field quantization_config must be a JSON object or null, got {q!r:.60}")
+    raise EngineError(f"config field quantization_config: quant_method {q.get('quant_method')!r} is not "
+                      f"implemented (the engine loads unquantized floating-point weights)")
 
 
 def check_rope(name: str, s: Mapping[str, Any]) -> None:

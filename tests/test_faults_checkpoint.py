@@ -106,6 +106,14 @@ CONFIG_CASES = {
     "eos_token_id a string": (edit_config(eos_token_id="</s>"), ["eos_token_id"]),
     "eos_token_id list of strings": (edit_config(eos_token_id=["</s>"]), ["eos_token_id"]),
     "max_position_embeddings zero": (edit_config(max_position_embeddings=0), ["max_position_embeddings"]),
+    # what the engine does not compute is refused, not run as SiLU and unquantized weights
+    "gelu activation": (edit_config(hidden_act="gelu"), ["hidden_act", "gelu", "silu"]),
+    "gelu in text_config": (edit_config(text_config={"hidden_act": "gelu_pytorch_tanh"}), ["hidden_act", "gelu"]),
+    "AWQ weights": (edit_config(quantization_config={"quant_method": "awq", "bits": 4}),
+                    ["quantization_config", "awq"]),
+    "quantization_config a list": (edit_config(quantization_config=[8]), ["quantization_config", "object"]),
+    "an integer torch_dtype": (edit_config(torch_dtype="int8"), ["torch_dtype", "int8", "floating-point"]),
+    "dtype a number": (edit_config(dtype=16), ["dtype", "floating-point"]),
 }
 
 
@@ -113,6 +121,14 @@ CONFIG_CASES = {
 def test_malformed_config_json_is_refused(tiny_dir, tmp_path, case):
     edit, words = CONFIG_CASES[case]
     assert_refused(broken(tiny_dir, tmp_path / "m", edit), "config.json", *words)
+
+
+@pytest.mark.parametrize("fields", [dict(hidden_act="silu", torch_dtype="bfloat16"), dict(hidden_act="swish"),
+                                    dict(dtype="float16"), dict(torch_dtype="float64", quantization_config=None)])
+def test_what_the_engine_computes_is_accepted(tiny_dir, tmp_path, fields):
+    """torch_dtype is a storage hint: the engine computes in --dtype whatever it says."""
+    eng = Engine.load(target=str(broken(tiny_dir, tmp_path / "m", edit_config(**fields))), max_seq_len=64)
+    assert eng.generate([1, 2], 2).token_ids
 
 
 def test_a_config_for_a_huge_model_is_checked_against_the_weights_before_allocating(tiny_dir, tmp_path, monkeypatch):
@@ -302,6 +318,8 @@ GENERATE = ("generate", "--shape", "tiny", "--prompt-ids", "1,2", "--max-new-tok
     (["--max-seq-len", "1e9"], "--max-seq-len"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--steps", "0"], "--steps"),
+    (["--prompt-ids", "99999999999999999999999"], "--prompt-ids"),
+    (["--prompt-ids", "1,-2"], "--prompt-ids"),
 ])
 def test_generate_options_out_of_range(args, option):
     assert_bad_input(run(*GENERATE, *args), option)
