@@ -95,11 +95,32 @@ def check_fields(values: Mapping[str, Any]) -> None:
 
 def check_quantization(q: Any) -> None:
     """Quantized weights the loader cannot turn into the engine's dtype are refused: run as they are, their integer
-    codes or unscaled values would be read as weights."""
+    codes or unscaled values would be read as weights. Block-scaled FP8 (DeepSeek-V3, Kimi-K2) is dequantised when
+    loaded (engine.loading.dequantize_fp8)."""
     if not isinstance(q, Mapping):
         raise EngineError(f"config field quantization_config must be a JSON object or null, got {q!r:.60}")
-    raise EngineError(f"config field quantization_config: quant_method {q.get('quant_method')!r} is not "
-                      f"implemented (the engine loads unquantized floating-point weights)")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise EngineError(f"config field quantization_config: quant_method {method!r} is not implemented (supported: "
+                          f"fp8 with weight_block_size, dequantised when loaded)")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(_is_int(b) and 1 <= b <= MAX_SIZE for b in block)):
+        raise EngineError(f"config field quantization_config: fp8 needs weight_block_size, two positive integers "
+                          f"(per-tensor scales are not implemented), got {block!r:.60}")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise EngineError(f"config field quantization_config: fp8 fmt {q['fmt']!r} is not implemented (supported: e4m3)")
+    if q.get("activation_scheme", "dynamic") != "dynamic":  # static input scales would be tensors nothing reads
+        raise EngineError(f"config field quantization_config: activation_scheme {q['activation_scheme']!r} is not "
+                          f"implemented (supported: dynamic)")
+
+
+def fp8_block_size(cfg: "ModelConfig") -> tuple[int, int] | None:
+    """The block of rows x columns each FP8 weight scale covers, when config.json declares block-scaled FP8
+    (check_quantization accepted it)."""
+    q = cfg.extra.get("quantization_config")
+    if not isinstance(q, Mapping) or q.get("quant_method") != "fp8":
+        return None
+    return q["weight_block_size"][0], q["weight_block_size"][1]
 
 
 def check_rope(name: str, s: Mapping[str, Any]) -> None:

@@ -223,6 +223,92 @@ def test_non_finite_weights_are_refused(tiny_dir, tmp_path, value):
                    "model.layers.2.mlp.down_proj.weight", "NaN or infinite")
 
 
+
+# ---- FP8 checkpoints (DeepSeek-V3, Kimi-K2): block-scaled float8 weights, dequantised when loaded -----------------
+
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+
+
+def to_fp8(src: Path, dst: Path, block: tuple[int, int], seed: int = 0) -> dict[str, torch.Tensor]:
+    """`src` rewritten as DeepSeek-V3 ships it: every layer's projection an FP8 matrix with a float32
+    weight_scale_inv per block (a partial block at the edges where the block does not divide the shape); the
+    other tensors as they were. -> the weights the FP8 checkpoint stands for, each element code * its block's scale."""
+    g = torch.Generator().manual_seed(seed)
+    shutil.copytree(src, dst)
+    sd, want = load_file(str(dst / "model.safetensors")), {}
+    for k, w in list(sd.items()):
+        if ".layers." in k and k.endswith("proj.weight"):
+            codes = (torch.randn(w.shape, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+            rows, cols = (w.shape[0] + block[0] - 1) // block[0], (w.shape[1] + block[1] - 1) // block[1]
+            scale = torch.rand(rows, cols, generator=g) * 1e-3 + 1e-4
+            i, j = torch.arange(w.shape[0])[:, None] // block[0], torch.arange(w.shape[1])[None, :] // block[1]
+            want[k] = codes.float() * scale[i, j]
+            sd[k], sd[k.removesuffix("weight") + "weight_scale_inv"] = codes, scale
+        else:
+            want[k] = w
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    edit_config(quantization_config={**FP8_CONFIG, "weight_block_size": list(block)})(dst)
+    return want
+
+
+@pytest.mark.parametrize("shape,block", [("tiny", (128, 128)), ("tiny", (48, 40)), ("deepseek-v3-tiny", (128, 96))])
+def test_an_fp8_checkpoint_loads_its_dequantised_weights(tmp_path, shape, block):
+    from engine.loading import hf_state_dict, load_model
+
+    src = tmp_path / "src"
+    save_model(random_model(shape, seed=2), src)
+    want = to_fp8(src, tmp_path / "fp8", block)
+    got = hf_state_dict(load_model(tmp_path / "fp8"))
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+        assert torch.equal(got[k], w), k
+    # and it runs: the same tokens as the unquantized checkpoint of those weights
+    plain = tmp_path / "plain"
+    shutil.copytree(src, plain)
+    save_file(want, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    run_ids = ["generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--max-seq-len", "32", "--json"]
+    a, b = run(*run_ids, "--target", str(tmp_path / "fp8")), run(*run_ids, "--target", str(plain))
+    assert a.exit_code == 0 and b.exit_code == 0, a.stderr
+    assert json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
+
+
+def fp8_edit(edit: Callable[[dict[str, torch.Tensor], Path], None]) -> Edit:
+    def apply(d: Path) -> None:
+        shutil.rmtree(d)
+        to_fp8(d.parent / "src", d, (32, 32))
+        sd = load_file(str(d / "model.safetensors"))
+        edit(sd, d)
+        save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return apply
+
+
+SCALE = "model.layers.1.mlp.down_proj.weight_scale_inv"
+FP8_CASES = {
+    "no quantization_config": (fp8_edit(lambda sd, d: edit_config(quantization_config=None)(d)),
+                               ["float8_e4m3fn", "quantization_config"]),
+    "a missing scale": (fp8_edit(lambda sd, d: sd.pop(SCALE)), ["model.layers.1.mlp.down_proj.weight", SCALE]),
+    "a scale of the wrong shape": (fp8_edit(lambda sd, d: sd.update({SCALE: torch.ones(1, 1)})),
+                                   [SCALE, "(1, 1)", "32x32", "(2, 4)"]),
+    "a scale without its FP8 weight": (
+        fp8_edit(lambda sd, d: sd.update({"model.layers.0.input_layernorm.weight_scale_inv": torch.ones(1, 2)})),
+        ["model.layers.0.input_layernorm.weight_scale_inv", "scales no FP8 weight"]),
+    "an infinite scale": (fp8_edit(lambda sd, d: sd[SCALE].fill_(float("inf"))), [SCALE, "NaN or infinite"]),
+    "a NaN code": (fp8_edit(lambda sd, d: sd["model.layers.1.mlp.down_proj.weight"].view(torch.uint8).__setitem__(
+        (0, 0), 0x7F)), ["model.layers.1.mlp.down_proj.weight", "NaN or infinite"]),
+    "fp8 without blocks": (edit_config(quantization_config={**FP8_CONFIG, "weight_block_size": None}),
+                           ["quantization_config", "weight_block_size"]),
+    "fp8 static activations": (
+        edit_config(quantization_config={**FP8_CONFIG, "activation_scheme": "static", "weight_block_size": [8, 8]}),
+        ["quantization_config", "static"]),
+}
+
+
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_a_malformed_fp8_checkpoint_is_refused(tiny_dir, tmp_path, case):
+    edit, words = FP8_CASES[case]
+    shutil.copytree(tiny_dir, tmp_path / "src")
+    assert_refused(broken(tiny_dir, tmp_path / "m", edit), *words)
+
 # ---- EAGLE-3 drafter directories (the same validator and loaders) --------------------------------------------
 
 @pytest.fixture(scope="module")
