@@ -58,7 +58,8 @@ class CaptureRun:
     batch_size: int = 32
     num_samples: int | None = None
     mem_fraction: float | None = None
-    trust_remote_code: bool = True
+    # Runs the checkpoint's own Python (Kimi-K2's tokenizer and model code need it): opt in for a checkpoint you trust
+    trust_remote_code: bool = False
     python: str = "python"
 
     def command(self) -> list[str]:
@@ -100,7 +101,7 @@ class TrainRun:
     cache_dir: str = "./cache"
     embedding_key: str = "model.embed_tokens.weight"  # the target's tensor names (a multimodal checkpoint prefixes
     lm_head_key: str = "lm_head.weight"  # them, e.g. language_model.): see its model.safetensors.index.json
-    trust_remote_code: bool = True
+    trust_remote_code: bool = False  # as CaptureRun's: opt in
 
     def __post_init__(self) -> None:
         if self.init_drafter and not self.vocab_mapping:
