@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import ModelConfig, check_config_mapping, fp8_block_size
 from engine.errors import EngineError
+from engine.fsutil import atomic_write
 from engine.model import Transformer, hf_to_internal, internal_to_hf
 from engine.shapes import shape_config
 
@@ -386,12 +387,10 @@ def save_model(model: Transformer, path: str | Path, dtype: torch.dtype | None =
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     hf = {k: (v.to(dtype) if dtype else v).contiguous().cpu() for k, v in hf_state_dict(model).items()}
-    tmp = path / "model.safetensors.tmp"
-    save_file(hf, str(tmp), metadata={"format": "pt"})
-    tmp.replace(path / "model.safetensors")
+    atomic_write(path / "model.safetensors", lambda tmp: save_file(hf, str(tmp), metadata={"format": "pt"}))
     cfg = model.cfg.to_hf()
     cfg["torch_dtype"] = str(dtype or model.dtype).removeprefix("torch.")
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    atomic_write(path / "config.json", json.dumps(cfg, indent=2) + "\n")
     return path
 
 

@@ -6,7 +6,9 @@ Each case copies a tiny random-weight checkpoint written by the engine's own sav
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -223,6 +225,49 @@ def test_non_finite_weights_are_refused(tiny_dir, tmp_path, value):
                    "model.layers.2.mlp.down_proj.weight", "NaN or infinite")
 
 
+
+
+# ---- what the engine writes: atomic, with the modes of ordinary files ---------------------------------------------
+
+@pytest.fixture
+def umask_027():
+    old = os.umask(0o027)
+    yield
+    os.umask(old)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_saved_checkpoints_get_the_modes_open_gives_and_keep_existing_ones(tmp_path, umask_027):
+    """safetensors writes 0600 whatever the umask: a checkpoint saved for others to read was unreadable by them."""
+    from engine.drafter import new_drafter, save_drafter
+
+    model = random_model("tiny")
+    d = save_model(model, tmp_path / "m")
+    assert {f.name: mode(f) for f in d.iterdir()} == {"model.safetensors": 0o640, "config.json": 0o640}
+    (d / "config.json").chmod(0o664)  # a shared checkout's group-writable file stays so
+    (d / "model.safetensors").chmod(0o644)
+    save_model(model, d)
+    assert {f.name: mode(f) for f in d.iterdir()} == {"model.safetensors": 0o644, "config.json": 0o664}
+    dd = save_drafter(new_drafter(model.cfg, torch.arange(model.cfg.vocab_size), seed=1), tmp_path / "d")
+    assert {f.name: mode(f) for f in dd.iterdir()} == {"model.safetensors": 0o640, "config.json": 0o640}
+
+
+def test_a_failed_save_leaves_the_old_checkpoint_and_no_temporary_file(tmp_path, monkeypatch):
+    from engine import fsutil
+
+    d = save_model(random_model("tiny", seed=1), tmp_path / "m")
+    before = {f.name: f.read_bytes() for f in d.iterdir()}
+
+    def broken_fsync(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(fsutil.os, "fsync", broken_fsync)
+    with pytest.raises(OSError, match="disk full"):
+        save_model(random_model("tiny", seed=2), d)
+    assert {f.name: f.read_bytes() for f in d.iterdir()} == before
 
 # ---- FP8 checkpoints (DeepSeek-V3, Kimi-K2): block-scaled float8 weights, dequantised when loaded -----------------
 

@@ -36,6 +36,7 @@ import yaml
 from safetensors import safe_open
 
 from engine.errors import EngineError
+from engine.fsutil import atomic_write
 from engine.loading import weight_files
 
 SPECFORGE_VERSION = "0.2.0"
@@ -133,7 +134,7 @@ class TrainRun:
     def write_config(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(self.config(), sort_keys=False))
+        atomic_write(path, yaml.safe_dump(self.config(), sort_keys=False))
         return path
 
     def command(self, config_path: str | Path, python: str = "python") -> list[str]:
@@ -186,9 +187,8 @@ def save_vocab_mapping(drafter_dir: str | Path, path: str | Path) -> Path:
     """The drafter's mapping in the file format SpecForge's `model.vocab_mapping_path` loads ({"d2t", "t2d"})."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(vocab_mapping(drafter_dir), tmp)
-    tmp.replace(path)
+    mapping = vocab_mapping(drafter_dir)
+    atomic_write(path, lambda tmp: torch.save(mapping, tmp))
     return path
 
 
