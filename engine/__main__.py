@@ -7,64 +7,22 @@ traceback instead.
 from __future__ import annotations
 
 import json
-import sys
 
 import click
 
-from engine.cli_options import (EXIT_BAD_INPUT, EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED, SEED, FiniteFloatRange,
-                                debug_option, debug_requested, default_device, engine_options, int_list, load_engine,
-                                with_debug)
-from engine.errors import EngineError
+from engine.cli_options import (EXIT_CODES, SEED, FiniteFloatRange, OneLineErrors, debug_option, default_device,
+                                engine_options, int_list, load_engine, with_debug)
 from engine.train import train_command
 
 
-NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2: a group called without a command
+class Cli(OneLineErrors, click.Group):
+    """A group that turns every error into one line on stderr and the exit code of its kind (cli_options)."""
 
-
-class Cli(click.Group):
-    """A group that turns every error into one line on stderr and the exit code of its kind."""
-
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        argv = list(sys.argv[1:] if args is None else args)
-        try:
-            rc = super().main(argv, prog_name or "python -m engine", complete_var, standalone_mode=False, **extra)
-        except click.exceptions.Exit as e:  # --help, or a command's ctx.exit(code)
-            sys.exit(e.exit_code)
-        except click.Abort:
-            click.echo("interrupted", err=True)
-            sys.exit(EXIT_INTERRUPTED)
-        except click.ClickException as e:  # usage: one line, exit 2 (not click's three-line block)
-            if isinstance(e, NO_ARGS):  # no command given: the help, on stderr as click shows it
-                e.show()
-            else:
-                click.echo(f"error: {e.format_message()} (see --help)", err=True)
-            sys.exit(EXIT_BAD_INPUT)
-        sys.exit(rc if isinstance(rc, int) else 0)
-
-    def invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except (click.exceptions.Exit, click.ClickException, click.Abort):
-            raise
-        except EngineError as e:
-            _fail(ctx, str(e), EXIT_BAD_INPUT)
-        except KeyboardInterrupt:
-            _fail(ctx, None, EXIT_INTERRUPTED)
-        except Exception as e:
-            first = (str(e).strip().splitlines() or [""])[0]  # CUDA errors span many lines
-            _fail(ctx, f"{type(e).__name__}: {first} (internal failure; rerun with --debug for the traceback)",
-                  EXIT_INTERNAL)
+    def main(self, args=None, prog_name=None, *a, **kw):
+        return super().main(args, prog_name or "python -m engine", *a, **kw)
 
     def add_command(self, cmd: click.Command, name: str | None = None) -> None:
         super().add_command(with_debug(cmd), name)
-
-
-def _fail(ctx: click.Context, message: str | None, code: int) -> None:
-    """One line on stderr and exit `code`; with --debug the exception propagates with its traceback."""
-    if debug_requested(ctx):
-        raise
-    click.echo("interrupted" if message is None else f"error: {message}", err=True)
-    sys.exit(code)
 
 
 @click.group(cls=Cli, epilog=EXIT_CODES, params=[debug_option()],

@@ -7,11 +7,13 @@ helpers), so engine/__main__.py and engine/serve can both import it without impo
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
 
+from engine.errors import EngineError
 from engine.spec_settings import DEFAULT_STEPS, DEFAULT_TOPK
 
 
@@ -73,8 +75,62 @@ def debug_requested(ctx: click.Context | None = None) -> bool:
     return bool(ctx and ctx.meta.get(DEBUG))
 
 
-def int_list(minimum: int) -> Callable[[click.Context, click.Parameter, str | None], list[int] | None]:
-    """A click callback: '1,2,4' or '1 2 4' -> [1, 2, 4], every number >= minimum."""
+NO_ARGS = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2: a group called without a command
+
+
+class OneLineErrors:
+    """The conventions for a click command or group (mixed in before click's class): every error one line on stderr
+    and the exit code of its kind - usage and EngineError 2, anything else 3, Ctrl-C 130; with --debug the
+    traceback instead. A command ends with another code by ctx.exit(code)."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            rc = super().main(argv, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.Exit as e:  # --help, or a command's ctx.exit(code)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+        except click.ClickException as e:  # usage: one line, exit 2 (not click's three-line block)
+            if isinstance(e, NO_ARGS):  # no command given: the help, on stderr as click shows it
+                e.show()
+            else:
+                click.echo(f"error: {e.format_message()} (see --help)", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+        sys.exit(rc if isinstance(rc, int) else 0)
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except EngineError as e:
+            _fail(ctx, str(e), EXIT_BAD_INPUT)
+        except KeyboardInterrupt:
+            _fail(ctx, None, EXIT_INTERRUPTED)
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0]  # CUDA errors span many lines
+            _fail(ctx, f"{type(e).__name__}: {first} (internal failure; rerun with --debug for the traceback)",
+                  EXIT_INTERNAL)
+
+
+def _fail(ctx: click.Context, message: str | None, code: int) -> None:
+    """One line on stderr and exit `code`; with --debug the exception propagates with its traceback."""
+    if debug_requested(ctx):
+        raise
+    click.echo("interrupted" if message is None else f"error: {message}", err=True)
+    sys.exit(code)
+
+
+# The largest number an int_list takes: no vocabulary (engine.config.MAX_SIZE), token count or size goes past it, and
+# a larger one overflows the int64 tensor it becomes
+INT_LIST_MAX = 2**31 - 1
+
+
+def int_list(minimum: int, maximum: int = INT_LIST_MAX
+             ) -> Callable[[click.Context, click.Parameter, str | None], list[int] | None]:
+    """A click callback: '1,2,4' or '1 2 4' -> [1, 2, 4], every number in minimum..maximum."""
     def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
         if value is None:
             return None
@@ -82,8 +138,8 @@ def int_list(minimum: int) -> Callable[[click.Context, click.Parameter, str | No
             out = [int(x) for x in value.replace(",", " ").split()]
         except ValueError:
             raise click.BadParameter(f"expected integers separated by commas or spaces, got {value!r}") from None
-        if not out or min(out) < minimum:
-            raise click.BadParameter(f"expected integers >= {minimum}, got {value!r}")
+        if not out or min(out) < minimum or max(out) > maximum:
+            raise click.BadParameter(f"expected integers in {minimum}..{maximum}, got {value!r:.80}")
         return out
 
     return parse

@@ -37,6 +37,13 @@ ROPE_REQUIRED = {"linear": ("factor",),
                  "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")}
 ROPE_DIVISORS = ("factor", "low_freq_factor", "high_freq_factor", "rope_theta")  # > 0: the tables divide by them
 ROPE_NUMBERS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")  # >= 0 (0: the default)
+# What the model computes that config.json could ask otherwise: the MLP gate is SiLU (transformers' ACT2FN maps
+# "swish" to SiLU too). torch_dtype (transformers 5: dtype) is how the weights were stored; the engine computes in
+# --dtype whatever it says, so any floating-point type is accepted.
+ACTIVATIONS = ("silu", "swish")
+ACTIVATION_FIELDS = ("hidden_act", "hidden_activation")
+FLOAT_DTYPES = ("float32", "float", "float16", "half", "bfloat16", "float64", "double")
+DTYPE_FIELDS = ("torch_dtype", "dtype")
 
 
 def _is_int(v: Any) -> bool:
@@ -77,6 +84,43 @@ def check_fields(values: Mapping[str, Any]) -> None:
             raise EngineError(f"config field {name} must be a JSON object or null, got {v!r}")
         elif name in ("rope_scaling", "rope_parameters") and v is not None:
             check_rope(name, v)
+        elif name in ACTIVATION_FIELDS and v is not None and v not in ACTIVATIONS:
+            raise EngineError(f"config field {name} {v!r} is not implemented (supported: {', '.join(ACTIVATIONS)})")
+        elif name in DTYPE_FIELDS and v is not None and str(v).removeprefix("torch.") not in FLOAT_DTYPES:
+            raise EngineError(f"config field {name} must name a floating-point type ({', '.join(FLOAT_DTYPES)}), "
+                              f"got {v!r}")
+        elif name == "quantization_config" and v is not None:
+            check_quantization(v)
+
+
+def check_quantization(q: Any) -> None:
+    """Quantized weights the loader cannot turn into the engine's dtype are refused: run as they are, their integer
+    codes or unscaled values would be read as weights. Block-scaled FP8 (DeepSeek-V3, Kimi-K2) is dequantised when
+    loaded (engine.loading.dequantize_fp8)."""
+    if not isinstance(q, Mapping):
+        raise EngineError(f"config field quantization_config must be a JSON object or null, got {q!r:.60}")
+    method = q.get("quant_method")
+    if method != "fp8":
+        raise EngineError(f"config field quantization_config: quant_method {method!r} is not implemented (supported: "
+                          f"fp8 with weight_block_size, dequantised when loaded)")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(_is_int(b) and 1 <= b <= MAX_SIZE for b in block)):
+        raise EngineError(f"config field quantization_config: fp8 needs weight_block_size, two positive integers "
+                          f"(per-tensor scales are not implemented), got {block!r:.60}")
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise EngineError(f"config field quantization_config: fp8 fmt {q['fmt']!r} is not implemented (supported: e4m3)")
+    if q.get("activation_scheme", "dynamic") != "dynamic":  # static input scales would be tensors nothing reads
+        raise EngineError(f"config field quantization_config: activation_scheme {q['activation_scheme']!r} is not "
+                          f"implemented (supported: dynamic)")
+
+
+def fp8_block_size(cfg: "ModelConfig") -> tuple[int, int] | None:
+    """The block of rows x columns each FP8 weight scale covers, when config.json declares block-scaled FP8
+    (check_quantization accepted it)."""
+    q = cfg.extra.get("quantization_config")
+    if not isinstance(q, Mapping) or q.get("quant_method") != "fp8":
+        return None
+    return q["weight_block_size"][0], q["weight_block_size"][1]
 
 
 def check_rope(name: str, s: Mapping[str, Any]) -> None:

@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 
 from engine.config import ModelConfig
 from engine.errors import EngineError
+from engine.fsutil import atomic_write
 from engine.gemv import Linear
 from engine.loading import init_weights, load_state, read_config, read_safetensors, resolve_dtype, weight_files
 from engine.model import DEFAULT_ROPE_LEN, MLP, Attention, RMSNorm, StaticCacheModule, hf_to_internal, internal_to_hf
@@ -329,10 +330,8 @@ def save_drafter(drafter: Eagle3Drafter, path: str | Path, dtype: torch.dtype | 
     path.mkdir(parents=True, exist_ok=True)
     sd = internal_to_hf(drafter, {k: v.detach() for k, v in drafter.state_dict().items()})
     out = {k: (v.to(dtype) if dtype and v.is_floating_point() else v).contiguous().cpu() for k, v in sd.items()}
-    tmp = path / "model.safetensors.tmp"
-    save_file(out, str(tmp), metadata={"format": "pt"})
-    tmp.replace(path / "model.safetensors")
+    atomic_write(path / "model.safetensors", lambda tmp: save_file(out, str(tmp), metadata={"format": "pt"}))
     cfg = drafter.cfg.to_hf(drafter.aux_layers)
     cfg["torch_dtype"] = str(dtype or drafter.dtype).removeprefix("torch.")
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    atomic_write(path / "config.json", json.dumps(cfg, indent=2) + "\n")
     return path

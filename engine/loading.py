@@ -11,13 +11,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from engine.config import ModelConfig, check_config_mapping
+from engine.config import ModelConfig, check_config_mapping, fp8_block_size
 from engine.errors import EngineError
+from engine.fsutil import atomic_write
 from engine.model import Transformer, hf_to_internal, internal_to_hf
 from engine.shapes import shape_config
 
 INDEX = "model.safetensors.index.json"
 SEEDS = (-2**63, 2**64 - 1)  # torch.manual_seed's range
+FP8 = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}  # safetensors' names
+SCALE_SUFFIX = ".weight_scale_inv"  # DeepSeek-V3's name for an FP8 weight's block scales (already inverted)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -106,13 +109,15 @@ def weight_files(path: Path) -> list[Path]:
 
 def read_shapes(files: list[Path]) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors as meta tensors of their shapes, from the safetensors headers alone: what the config
-    is checked against before anything the size of the model is read or allocated."""
+    is checked against before anything the size of the model is read or allocated. FP8 tensors keep their dtype
+    (dequantize_fp8 reads it); the others are float32."""
     shapes: dict[str, torch.Tensor] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:
                 for k in st.keys():
-                    shapes[k] = torch.empty(st.get_slice(k).get_shape(), device="meta")
+                    sl = st.get_slice(k)
+                    shapes[k] = torch.empty(sl.get_shape(), device="meta", dtype=FP8.get(sl.get_dtype()))
         except (SafetensorError, OSError, ValueError) as e:
             raise EngineError(f"{f}: unreadable safetensors file ({e})") from None
     return shapes
@@ -127,10 +132,61 @@ def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError, ValueError) as e:
             raise EngineError(f"{f}: unreadable safetensors file ({e})") from None
         for k, t in tensors.items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if not finite(t):
                 raise EngineError(f"{f}: tensor {k} has NaN or infinite values")
         sd.update(tensors)
     return sd
+
+
+def finite(t: torch.Tensor) -> bool:
+    """No NaN or inf in a floating-point tensor (FP8 upcast: isfinite has no FP8 kernel); meta tensors pass."""
+    if not t.is_floating_point() or t.is_meta:
+        return True
+    return bool(torch.isfinite(t.float() if t.dtype in FP8.values() else t).all())
+
+
+def dequantize_fp8(sd: dict[str, torch.Tensor], block: tuple[int, int] | None, where: Path
+                   ) -> dict[str, torch.Tensor]:
+    """Block-scaled FP8 weights (DeepSeek-V3, Kimi-K2: each `W.weight` a float8 [out, in] with a float32
+    `W.weight_scale_inv` of one value per `block` of rows x columns) as float32 weights, W * its block's scale, as
+    DeepSeek's weight_dequant and transformers' FP8 integration compute; the scales leave the state dict. On meta
+    tensors (the header shapes) the same checks and the shapes alone. An FP8 tensor without its scales, or scales
+    without their FP8 weight, is refused."""
+    out: dict[str, torch.Tensor] = {}
+    for k, t in sd.items():
+        scale = sd.get(k.removesuffix(".weight") + SCALE_SUFFIX) if k.endswith(".weight") else None
+        if k.endswith(SCALE_SUFFIX):
+            weight = sd.get(k.removesuffix(SCALE_SUFFIX) + ".weight")
+            if weight is None or weight.dtype not in FP8.values():
+                raise EngineError(f"{where}: tensor {k} scales no FP8 weight")
+        elif t.dtype not in FP8.values():
+            out[k] = t
+        elif block is None:
+            raise EngineError(f"{where}: tensor {k} is {str(t.dtype).removeprefix('torch.')}, but config.json declares "
+                              f"no quantization_config (fp8 with weight_block_size) to dequantise it with")
+        elif scale is None:
+            raise EngineError(f"{where}: FP8 tensor {k} has no {k.removesuffix('.weight') + SCALE_SUFFIX}")
+        else:
+            out[k] = block_dequant(k, t, scale, block, where)
+    return out
+
+
+def block_dequant(name: str, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], where: Path
+                  ) -> torch.Tensor:
+    """w [out, in] times scale [ceil(out / rows), ceil(in / cols)], each scale value over its block, as float32."""
+    rows, cols = block
+    if w.dim() != 2:
+        raise EngineError(f"{where}: FP8 tensor {name} has shape {tuple(w.shape)}; block scales need a matrix")
+    n, m = w.shape
+    want = (-(-n // rows), -(-m // cols))
+    if tuple(scale.shape) != want:
+        raise EngineError(f"{where}: tensor {name.removesuffix('.weight') + SCALE_SUFFIX} has shape "
+                          f"{tuple(scale.shape)}, blocks of {rows}x{cols} over {tuple(w.shape)} need {want}")
+    full = scale.float().repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)[:, :m]
+    deq = w.float() * full
+    if not finite(deq):
+        raise EngineError(f"{where}: tensor {name} has NaN or infinite values once dequantised")
+    return deq
 
 
 def check_counts(cfg: ModelConfig, names: list[str], where: Path) -> None:
@@ -189,7 +245,9 @@ def load_state(model: torch.nn.Module, sd: dict[str, torch.Tensor], where: str) 
 
 
 def to_internal(model: Transformer, sd: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
-    """HF checkpoint keys -> the model's own (fused q/k/v and gate/up, stacked experts); lm_head dropped when tied."""
+    """HF checkpoint keys -> the model's own (fused q/k/v and gate/up, stacked experts; FP8 weights dequantised);
+    lm_head dropped when tied."""
+    sd = dequantize_fp8(sd, fp8_block_size(model.cfg), where)
     sd = {k.removeprefix("model."): v for k, v in sd.items()}
     try:
         sd = hf_to_internal(model, sd)
@@ -329,12 +387,10 @@ def save_model(model: Transformer, path: str | Path, dtype: torch.dtype | None =
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     hf = {k: (v.to(dtype) if dtype else v).contiguous().cpu() for k, v in hf_state_dict(model).items()}
-    tmp = path / "model.safetensors.tmp"
-    save_file(hf, str(tmp), metadata={"format": "pt"})
-    tmp.replace(path / "model.safetensors")
+    atomic_write(path / "model.safetensors", lambda tmp: save_file(hf, str(tmp), metadata={"format": "pt"}))
     cfg = model.cfg.to_hf()
     cfg["torch_dtype"] = str(dtype or model.dtype).removeprefix("torch.")
-    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    atomic_write(path / "config.json", json.dumps(cfg, indent=2) + "\n")
     return path
 
 

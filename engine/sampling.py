@@ -7,16 +7,22 @@ from dataclasses import dataclass
 
 import torch
 
+# Temperatures below this decode greedily, as vLLM's sampler does (its _SAMPLING_EPS): logits / 1e-300 overflow to
+# inf, the softmax of a row holding inf is NaN, and the exponential race over NaN picks token 0 every time. Above the
+# floor a real model's logits stay finite after the division; below it the distribution differs from the greedy
+# choice only between logits closer than about 1e-4.
+SAMPLING_EPS = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # below SAMPLING_EPS (0 among them): greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < SAMPLING_EPS
 
 
 def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -222,3 +222,53 @@ def test_client_reads_streams(events, ok, tokens, detail):
     assert detail is None or detail in res.error
     if ok:
         assert res.ttft_s is not None and len(res.chunk_gaps_s) == 1
+
+
+# ---- python -m engine.backends.client: the command-line conventions of python -m engine --------------------------
+
+def client(*args: str, **kw):
+    from click.testing import CliRunner
+
+    from engine.backends.client import main
+    return CliRunner().invoke(main, list(args), **kw)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--temperature", "nan"], ["--temperature", "nan"]),
+    (["--temperature", "inf"], ["--temperature"]),
+    (["--temperature", "-0.5"], ["--temperature"]),
+    (["--timeout", "0"], ["--timeout"]),
+    (["--timeout", "nan"], ["--timeout"]),
+    (["-n", "0"], ["--requests"]),
+    (["--bogus"], ["--bogus"]),
+    (["--prompts", "/nonexistent/prompts.txt"], ["/nonexistent/prompts.txt"]),
+    (["--url", "127.0.0.1:8000"], ["url", "http://"]),
+])
+def test_client_bad_input_is_one_line_and_exit_2(args, words):
+    from engine_cli_testing import assert_bad_input
+
+    assert_bad_input(client(*args), *words)
+
+
+def test_client_exit_codes_and_debug(monkeypatch):
+    from engine.backends import client as mod
+
+    def summary(failed: int):
+        return lambda *a, **k: mod.summarize("http://x", [RequestResult(ok=True, completion_tokens=3, latency_s=1.0)]
+                                             + [RequestResult(ok=False, error="HTTP 500")] * failed, 1, 1.0)
+
+    monkeypatch.setattr(mod, "benchmark", summary(0))
+    assert client("--json").exit_code == 0
+    monkeypatch.setattr(mod, "benchmark", summary(1))
+    r = client()
+    assert r.exit_code == 1 and "HTTP 500" in r.stdout  # a failed request: a check failed
+
+    def broken(*a, **k):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(mod, "benchmark", broken)
+    r = client()
+    assert r.exit_code == 3 and r.stderr.strip().splitlines() == [
+        "error: RuntimeError: boom (internal failure; rerun with --debug for the traceback)"]
+    assert isinstance(client("--debug").exception, RuntimeError)
+    assert "Exit codes" in client("--help").stdout

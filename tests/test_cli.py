@@ -117,6 +117,14 @@ def test_bad_options_are_one_line(args, words):
     assert_bad_input(run("generate", *args), *words)
 
 
+@pytest.mark.parametrize("temperature", ["1e-300", "5e-324"])
+def test_a_tiny_temperature_generates_the_greedy_tokens(temperature):
+    common = ["generate", "--shape", "tiny", "--prompt-ids", "1,2,3", "--max-new-tokens", "6", "--json"]
+    greedy, tiny = run(*common), run(*common, "--temperature", temperature)
+    assert greedy.exit_code == 0 and tiny.exit_code == 0, tiny.stderr
+    assert json.loads(tiny.stdout)["token_ids"] == json.loads(greedy.stdout)["token_ids"]
+
+
 def test_debug_shows_the_exception_instead():
     r = run("generate", "--shape", "tiny", "--prompt", "x", "--dtype", "int3", "--debug")
     assert r.exit_code != 0 and type(r.exception).__name__ == "EngineError"

@@ -6,7 +6,9 @@ Each case copies a tiny random-weight checkpoint written by the engine's own sav
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -106,6 +108,14 @@ CONFIG_CASES = {
     "eos_token_id a string": (edit_config(eos_token_id="</s>"), ["eos_token_id"]),
     "eos_token_id list of strings": (edit_config(eos_token_id=["</s>"]), ["eos_token_id"]),
     "max_position_embeddings zero": (edit_config(max_position_embeddings=0), ["max_position_embeddings"]),
+    # what the engine does not compute is refused, not run as SiLU and unquantized weights
+    "gelu activation": (edit_config(hidden_act="gelu"), ["hidden_act", "gelu", "silu"]),
+    "gelu in text_config": (edit_config(text_config={"hidden_act": "gelu_pytorch_tanh"}), ["hidden_act", "gelu"]),
+    "AWQ weights": (edit_config(quantization_config={"quant_method": "awq", "bits": 4}),
+                    ["quantization_config", "awq"]),
+    "quantization_config a list": (edit_config(quantization_config=[8]), ["quantization_config", "object"]),
+    "an integer torch_dtype": (edit_config(torch_dtype="int8"), ["torch_dtype", "int8", "floating-point"]),
+    "dtype a number": (edit_config(dtype=16), ["dtype", "floating-point"]),
 }
 
 
@@ -113,6 +123,14 @@ CONFIG_CASES = {
 def test_malformed_config_json_is_refused(tiny_dir, tmp_path, case):
     edit, words = CONFIG_CASES[case]
     assert_refused(broken(tiny_dir, tmp_path / "m", edit), "config.json", *words)
+
+
+@pytest.mark.parametrize("fields", [dict(hidden_act="silu", torch_dtype="bfloat16"), dict(hidden_act="swish"),
+                                    dict(dtype="float16"), dict(torch_dtype="float64", quantization_config=None)])
+def test_what_the_engine_computes_is_accepted(tiny_dir, tmp_path, fields):
+    """torch_dtype is a storage hint: the engine computes in --dtype whatever it says."""
+    eng = Engine.load(target=str(broken(tiny_dir, tmp_path / "m", edit_config(**fields))), max_seq_len=64)
+    assert eng.generate([1, 2], 2).token_ids
 
 
 def test_a_config_for_a_huge_model_is_checked_against_the_weights_before_allocating(tiny_dir, tmp_path, monkeypatch):
@@ -206,6 +224,135 @@ def test_non_finite_weights_are_refused(tiny_dir, tmp_path, value):
     assert_refused(broken(tiny_dir, tmp_path / "m", poison), "model.safetensors",
                    "model.layers.2.mlp.down_proj.weight", "NaN or infinite")
 
+
+
+
+# ---- what the engine writes: atomic, with the modes of ordinary files ---------------------------------------------
+
+@pytest.fixture
+def umask_027():
+    old = os.umask(0o027)
+    yield
+    os.umask(old)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_saved_checkpoints_get_the_modes_open_gives_and_keep_existing_ones(tmp_path, umask_027):
+    """safetensors writes 0600 whatever the umask: a checkpoint saved for others to read was unreadable by them."""
+    from engine.drafter import new_drafter, save_drafter
+
+    model = random_model("tiny")
+    d = save_model(model, tmp_path / "m")
+    assert {f.name: mode(f) for f in d.iterdir()} == {"model.safetensors": 0o640, "config.json": 0o640}
+    (d / "config.json").chmod(0o664)  # a shared checkout's group-writable file stays so
+    (d / "model.safetensors").chmod(0o644)
+    save_model(model, d)
+    assert {f.name: mode(f) for f in d.iterdir()} == {"model.safetensors": 0o644, "config.json": 0o664}
+    dd = save_drafter(new_drafter(model.cfg, torch.arange(model.cfg.vocab_size), seed=1), tmp_path / "d")
+    assert {f.name: mode(f) for f in dd.iterdir()} == {"model.safetensors": 0o640, "config.json": 0o640}
+
+
+def test_a_failed_save_leaves_the_old_checkpoint_and_no_temporary_file(tmp_path, monkeypatch):
+    from engine import fsutil
+
+    d = save_model(random_model("tiny", seed=1), tmp_path / "m")
+    before = {f.name: f.read_bytes() for f in d.iterdir()}
+
+    def broken_fsync(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(fsutil.os, "fsync", broken_fsync)
+    with pytest.raises(OSError, match="disk full"):
+        save_model(random_model("tiny", seed=2), d)
+    assert {f.name: f.read_bytes() for f in d.iterdir()} == before
+
+# ---- FP8 checkpoints (DeepSeek-V3, Kimi-K2): block-scaled float8 weights, dequantised when loaded -----------------
+
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+
+
+def to_fp8(src: Path, dst: Path, block: tuple[int, int], seed: int = 0) -> dict[str, torch.Tensor]:
+    """`src` rewritten as DeepSeek-V3 ships it: every layer's projection an FP8 matrix with a float32
+    weight_scale_inv per block (a partial block at the edges where the block does not divide the shape); the
+    other tensors as they were. -> the weights the FP8 checkpoint stands for, each element code * its block's scale."""
+    g = torch.Generator().manual_seed(seed)
+    shutil.copytree(src, dst)
+    sd, want = load_file(str(dst / "model.safetensors")), {}
+    for k, w in list(sd.items()):
+        if ".layers." in k and k.endswith("proj.weight"):
+            codes = (torch.randn(w.shape, generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+            rows, cols = (w.shape[0] + block[0] - 1) // block[0], (w.shape[1] + block[1] - 1) // block[1]
+            scale = torch.rand(rows, cols, generator=g) * 1e-3 + 1e-4
+            i, j = torch.arange(w.shape[0])[:, None] // block[0], torch.arange(w.shape[1])[None, :] // block[1]
+            want[k] = codes.float() * scale[i, j]
+            sd[k], sd[k.removesuffix("weight") + "weight_scale_inv"] = codes, scale
+        else:
+            want[k] = w
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    edit_config(quantization_config={**FP8_CONFIG, "weight_block_size": list(block)})(dst)
+    return want
+
+
+@pytest.mark.parametrize("shape,block", [("tiny", (128, 128)), ("tiny", (48, 40)), ("deepseek-v3-tiny", (128, 96))])
+def test_an_fp8_checkpoint_loads_its_dequantised_weights(tmp_path, shape, block):
+    from engine.loading import hf_state_dict, load_model
+
+    src = tmp_path / "src"
+    save_model(random_model(shape, seed=2), src)
+    want = to_fp8(src, tmp_path / "fp8", block)
+    got = hf_state_dict(load_model(tmp_path / "fp8"))
+    assert got.keys() == want.keys()
+    for k, w in want.items():
+        assert torch.equal(got[k], w), k
+    # and it runs: the same tokens as the unquantized checkpoint of those weights
+    plain = tmp_path / "plain"
+    shutil.copytree(src, plain)
+    save_file(want, str(plain / "model.safetensors"), metadata={"format": "pt"})
+    run_ids = ["generate", "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--max-seq-len", "32", "--json"]
+    a, b = run(*run_ids, "--target", str(tmp_path / "fp8")), run(*run_ids, "--target", str(plain))
+    assert a.exit_code == 0 and b.exit_code == 0, a.stderr
+    assert json.loads(a.stdout)["token_ids"] == json.loads(b.stdout)["token_ids"]
+
+
+def fp8_edit(edit: Callable[[dict[str, torch.Tensor], Path], None]) -> Edit:
+    def apply(d: Path) -> None:
+        shutil.rmtree(d)
+        to_fp8(d.parent / "src", d, (32, 32))
+        sd = load_file(str(d / "model.safetensors"))
+        edit(sd, d)
+        save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return apply
+
+
+SCALE = "model.layers.1.mlp.down_proj.weight_scale_inv"
+FP8_CASES = {
+    "no quantization_config": (fp8_edit(lambda sd, d: edit_config(quantization_config=None)(d)),
+                               ["float8_e4m3fn", "quantization_config"]),
+    "a missing scale": (fp8_edit(lambda sd, d: sd.pop(SCALE)), ["model.layers.1.mlp.down_proj.weight", SCALE]),
+    "a scale of the wrong shape": (fp8_edit(lambda sd, d: sd.update({SCALE: torch.ones(1, 1)})),
+                                   [SCALE, "(1, 1)", "32x32", "(2, 4)"]),
+    "a scale without its FP8 weight": (
+        fp8_edit(lambda sd, d: sd.update({"model.layers.0.input_layernorm.weight_scale_inv": torch.ones(1, 2)})),
+        ["model.layers.0.input_layernorm.weight_scale_inv", "scales no FP8 weight"]),
+    "an infinite scale": (fp8_edit(lambda sd, d: sd[SCALE].fill_(float("inf"))), [SCALE, "NaN or infinite"]),
+    "a NaN code": (fp8_edit(lambda sd, d: sd["model.layers.1.mlp.down_proj.weight"].view(torch.uint8).__setitem__(
+        (0, 0), 0x7F)), ["model.layers.1.mlp.down_proj.weight", "NaN or infinite"]),
+    "fp8 without blocks": (edit_config(quantization_config={**FP8_CONFIG, "weight_block_size": None}),
+                           ["quantization_config", "weight_block_size"]),
+    "fp8 static activations": (
+        edit_config(quantization_config={**FP8_CONFIG, "activation_scheme": "static", "weight_block_size": [8, 8]}),
+        ["quantization_config", "static"]),
+}
+
+
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_a_malformed_fp8_checkpoint_is_refused(tiny_dir, tmp_path, case):
+    edit, words = FP8_CASES[case]
+    shutil.copytree(tiny_dir, tmp_path / "src")
+    assert_refused(broken(tiny_dir, tmp_path / "m", edit), *words)
 
 # ---- EAGLE-3 drafter directories (the same validator and loaders) --------------------------------------------
 
@@ -302,6 +449,8 @@ GENERATE = ("generate", "--shape", "tiny", "--prompt-ids", "1,2", "--max-new-tok
     (["--max-seq-len", "1e9"], "--max-seq-len"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--steps", "0"], "--steps"),
+    (["--prompt-ids", "99999999999999999999999"], "--prompt-ids"),
+    (["--prompt-ids", "1,-2"], "--prompt-ids"),
 ])
 def test_generate_options_out_of_range(args, option):
     assert_bad_input(run(*GENERATE, *args), option)

@@ -250,3 +250,21 @@ def test_layers_handing_on_h_and_residual_give_the_textbook_pre_norm_bits(shape)
         want = model.lm_head(model.norm(x)).float()
     assert torch.equal(logits, want)
     assert torch.equal(aux, torch.cat([inputs[i] for i in taken_at], dim=-1))
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-45, 1e-6])
+def test_a_tiny_temperature_decodes_greedily(gen, temperature):
+    """logits / 1e-300 overflow to inf and softmax to NaN: below the floor the choice is the greedy one, as in
+    vLLM, not token 0 forever."""
+    tiny = SamplingParams(temperature=temperature, top_k=5, top_p=0.9)
+    assert tiny.greedy
+    assert gen.generate(PROMPT, 12, tiny).token_ids == gen.generate(PROMPT, 12).token_ids
+    probs = logits_to_probs(torch.tensor([[0.5, 3.0, -1.0]]), tiny)
+    assert probs.tolist() == [[0.0, 1.0, 0.0]]
+
+
+def test_a_small_temperature_above_the_floor_still_samples_a_finite_distribution():
+    p = SamplingParams(temperature=1e-4)
+    probs = logits_to_probs(torch.tensor([[30.0, 30.0 + 1e-4, -30.0]]), p)
+    assert not p.greedy and bool(torch.isfinite(probs).all())
+    assert probs[0, 2] == 0 and 0.2 < probs[0, 0] < 0.5  # two near-ties share the mass

@@ -128,6 +128,15 @@ def test_capture_command_uses_prepare_hidden_states_flags():
         "eagle3", "8", "100", "/m/k2-eagle3/config.json")
 
 
+def test_the_targets_own_code_runs_only_when_asked():
+    """trust_remote_code runs Python from the checkpoint: off unless the caller opts in (capture and training)."""
+    args = ("/opt/SpecForge", "/m/k25", "/m/k2-eagle3/config.json", "/d/s.jsonl", "/f")
+    assert "--trust-remote-code" not in sf.CaptureRun(*args).command()
+    assert "--trust-remote-code" in sf.CaptureRun(*args, trust_remote_code=True).command()
+    assert sf.TrainRun("/t", "/d/config.json", "/f", "/o").config()["model"]["trust_remote_code"] is False
+    assert sf.TrainRun("/t", "/d/config.json", "/f", "/o", trust_remote_code=True).config()["model"][
+        "trust_remote_code"] is True
+
 def test_warm_start_needs_the_initial_vocab_mapping():
     with pytest.raises(EngineError, match="vocab mapping"):
         sf.TrainRun("/t", "/d/config.json", "/f", "/o", init_drafter="/d")

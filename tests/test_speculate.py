@@ -10,7 +10,7 @@ from engine.config import ModelConfig
 from engine.drafter import Eagle3Drafter, new_drafter
 from engine.errors import EngineError
 from engine.loading import random_model
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, logits_to_probs
 from engine.speculate import SpecDecoder
 from engine.target_decoder import TargetDecoder
 from engine.tree import TreeShape, accept, ancestors, build_tree, select_nodes, top_children, topk, tree_mask
@@ -196,10 +196,10 @@ def test_bad_settings_are_engine_errors():
 # ---- sampling keeps the target's distribution ---------------------------------------------------------------
 
 @torch.no_grad()
-def exact_marginals(target, prompt: list[int], n: int, sampling: SamplingParams) -> list[torch.Tensor]:
-    """Marginal distributions of the first n generated tokens, by enumeration over the target."""
-    from engine.sampling import logits_to_probs
-
+def exact_marginals(target, prompt: list[int], n: int, sampling: SamplingParams
+                    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Marginal distributions of the first n generated tokens and their joint one ([V**n], the first token most
+    significant), by enumeration over the target."""
     seqs, probs, out = [prompt], torch.ones(1), []
     for _ in range(n):
         x = torch.tensor(seqs)
@@ -209,10 +209,13 @@ def exact_marginals(target, prompt: list[int], n: int, sampling: SamplingParams)
         out.append(p.sum(0))
         seqs = [s + [v] for s in seqs for v in range(p.shape[1])]
         probs = p.flatten()
-    return out
+    return out, probs
 
 
 def chi_square(counts: torch.Tensor, p: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic and its degrees of freedom; a count in a cell of probability 0 is infinitely unlikely."""
+    if bool((counts[p == 0] > 0).any()):
+        return math.inf, 1
     keep = p * counts.sum() >= 5  # pool the rare cells
     exp = torch.cat([p[keep], p[~keep].sum(0, keepdim=True)]) * counts.sum()
     obs = torch.cat([counts[keep], counts[~keep].sum(0, keepdim=True)])
@@ -244,12 +247,158 @@ def test_sampling_keeps_target_distribution(topk, n):
         samples.append(r.token_ids)
         accepted += r.accepted_tokens
     assert accepted > SAMPLES // 4  # drafts were accepted often, so the acceptance path is what is tested
-    marginals = exact_marginals(t, prompt, 3, sampling)
+    marginals, joint = exact_marginals(t, prompt, 3, sampling)
     for i, p in enumerate(marginals):
         counts = torch.bincount(torch.tensor([s[i] for s in samples]), minlength=vocab).float()
         stat, df = chi_square(counts, p)
         assert stat < chi2_critical(df), f"token {i}: chi-square {stat:.1f} on {df} df"
+    # the three tokens together: the prefill's token, then a cycle's, each conditioned on those before it
+    cells = torch.tensor([(s[0] * vocab + s[1]) * vocab + s[2] for s in samples])
+    stat, df = chi_square(torch.bincount(cells, minlength=vocab ** 3).float(), joint)
+    assert stat < chi2_critical(df), f"joint: chi-square {stat:.1f} on {df} df"
 
+
+@pytest.mark.parametrize("topk,n", [(1, None), (2, 5)])
+def test_a_tiny_temperature_speculates_greedily(topk, n):
+    """Below the sampling floor the verify takes the greedy choice (not NaN probabilities: token 0 forever), so the
+    output is the target's greedy one."""
+    t = bigram_target(100.0)
+    spec = SpecDecoder(t, drafter_for(t, oracle=True, miss=3), 96, 3, topk, n)
+    base = TargetDecoder(t, 96, cuda_graphs=False)
+    for p in prompts(2):
+        got = spec.generate(p, 16, SamplingParams(temperature=1e-300), seed=1)
+        assert got.token_ids == base.generate(p, 16).token_ids, f"prompt {p}"
+
+
+
+# ---- the acceptance rule alone: one verify's emitted tokens against the published rule ----------------------------
+# Drafts are chosen deterministically (top-k of the drafter), so the draft distribution q is a point mass at the
+# draft token and speculative sampling (Leviathan et al., Chen et al.; SpecInfer / EAGLE for trees) accepts draft x
+# with probability min(1, p(x) / q(x)) = p(x), and on rejection samples norm(max(0, p - q)) = p without x. Emitted
+# that way, a cycle's tokens are distributed as the target sampling token after token until it leaves the tree: this
+# checks the verify's own settle (VerifyRunner) against that distribution, for a chain and a tree.
+
+SETTLE_V = 6
+SETTLE_TRIALS = 6000
+
+
+def tiny_verify_runner(shape: TreeShape):
+    from engine.runners import ExtendInputs, VerifyRunner
+
+    cfg = ModelConfig(vocab_size=SETTLE_V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    t = random_model(cfg)
+    ext = ExtendInputs.empty(shape.steps + 1, 8, torch.float32, t.device)
+    return VerifyRunner(t, (0, 0, 0), shape, 32, ext)
+
+
+def emitted_distribution(tokens: list[int], parents: list[int], probs: torch.Tensor) -> dict[tuple[int, ...], float]:
+    """Each possible emitted sequence and its probability when the target samples from probs[node] after each node,
+    moving to the child carrying the sampled token while there is one."""
+    children = {i: {tokens[j]: j for j in range(1, len(tokens)) if parents[j] == i} for i in range(len(tokens))}
+    out: dict[tuple[int, ...], float] = {}
+
+    def walk(node: int, prefix: tuple[int, ...], prob: float) -> None:
+        for y in range(probs.shape[1]):
+            p = prob * float(probs[node, y])
+            if p == 0:
+                continue
+            if y in children[node]:
+                walk(children[node][y], prefix + (y,), p)
+            else:
+                out[prefix + (y,)] = p
+
+    walk(0, (), 1.0)
+    return out
+
+
+def settle_trials(shape: TreeShape, tokens: list[int], parents: list[int], logits: torch.Tensor,
+                  sampling: SamplingParams, trials: int = SETTLE_TRIALS, same_noise: bool = False
+                  ) -> dict[tuple[int, ...], int]:
+    """Emitted sequences of `trials` verifies of one tree with fixed target logits [N, V], fresh noise each time."""
+    runner = tiny_verify_runner(shape)
+    n = len(tokens)
+    settle = runner._settle_fn(n, sampling)
+    par = torch.tensor(parents)
+    depth = torch.zeros(n, dtype=torch.long)
+    for i in range(1, n):
+        depth[i] = depth[parents[i]] + 1
+    anc = ancestors(par, shape.steps)
+    tok, aux = torch.tensor([tokens]), torch.zeros(1, n, 8)
+    g = torch.Generator().manual_seed(0)
+    seen: dict[tuple[int, ...], int] = {}
+    for _ in range(trials):
+        noise = torch.empty(n, SETTLE_V).exponential_(generator=g)
+        if same_noise:  # a planted fault: one draw shared by every node
+            noise = noise[:1].expand(n, -1).contiguous()
+        _, result = settle(tok, logits[None], aux, par, depth, anc, noise)
+        c = int(result[0])
+        key = tuple(result[1:1 + c].tolist())
+        seen[key] = seen.get(key, 0) + 1
+    return seen
+
+
+def settle_chi_square(seen: dict[tuple[int, ...], int], want: dict[tuple[int, ...], float]) -> tuple[float, int]:
+    keys = sorted(set(seen) | set(want))
+    return chi_square(torch.tensor([float(seen.get(k, 0)) for k in keys]),
+                      torch.tensor([want.get(k, 0.0) for k in keys]))
+
+
+def settle_case(kind: str):
+    """(shape, node tokens, parents, target logits per node): drafts the target takes sometimes, not always."""
+    g = torch.Generator().manual_seed(7)
+    if kind == "chain":  # root, then drafts 2, 4, 1: a chain of 3 steps
+        shape, tokens, parents, boost = TreeShape.make(3, 1), [0, 2, 4, 1], [0, 0, 1, 2], [0, 0.8, 0.8, 0.8]
+    else:  # root with children 2 and 3 (the second branch taken too); 2 with child 5: 2 steps, topk 2
+        shape, tokens, parents, boost = TreeShape.make(2, 2, 4), [0, 2, 3, 5], [0, 0, 0, 1], [0, 1.0, 2.0, 0.3]
+    logits = torch.randn(len(tokens), SETTLE_V, generator=g) * 0.8
+    for i in range(1, len(tokens)):  # make each draft likely, not certain, after its parent
+        logits[parents[i], tokens[i]] += boost[i]
+    return shape, tokens, parents, logits
+
+
+SETTLE_SAMPLING = SamplingParams(temperature=0.7, top_p=0.9)
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_the_verify_emits_the_targets_distribution(kind):
+    shape, tokens, parents, logits = settle_case(kind)
+    want = emitted_distribution(tokens, parents, logits_to_probs(logits, SETTLE_SAMPLING))
+    seen = settle_trials(shape, tokens, parents, logits, SETTLE_SAMPLING)
+    assert sum(c for k, c in seen.items() if len(k) > 1) > SETTLE_TRIALS // 4  # drafts were accepted often
+    stat, df = settle_chi_square(seen, want)
+    assert stat < chi2_critical(df), f"chi-square {stat:.1f} on {df} df"
+
+
+def accept_always(tokens, target_tokens, parents, depth, anc, max_depth):
+    """A wrong rule: every draft accepted (the target's choice after a node replaced by its draft child)."""
+    from engine.tree import accept as real
+
+    forced = target_tokens.clone()
+    forced[parents[1:]] = tokens[1:]
+    return real(tokens, forced, parents, depth, anc, max_depth)
+
+
+def untempered(logits, sampling):
+    """A wrong rule: the target's choice drawn at temperature 1 whatever the request's temperature."""
+    return logits_to_probs(logits, SamplingParams(1.0, sampling.top_k, sampling.top_p))
+
+
+@pytest.mark.parametrize("fault", ["accept always", "temperature not applied", "one noise draw for all nodes"])
+def test_the_distribution_test_catches_a_wrong_rule(fault, monkeypatch):
+    """The chi-square test has the power to fail: each planted fault is rejected far beyond the critical value."""
+    import engine.runners
+
+    shape, tokens, parents, logits = settle_case("chain")
+    if fault == "accept always":
+        monkeypatch.setattr(engine.runners, "accept", accept_always)
+    if fault == "temperature not applied":
+        monkeypatch.setattr(engine.runners, "logits_to_probs", untempered)
+    want = emitted_distribution(tokens, parents, logits_to_probs(logits, SETTLE_SAMPLING))
+    seen = settle_trials(shape, tokens, parents, logits, SETTLE_SAMPLING,
+                         same_noise=fault == "one noise draw for all nodes")
+    stat, df = settle_chi_square(seen, want)
+    assert stat > chi2_critical(df), f"chi-square {stat:.1f} on {df} df: the planted fault went unseen"
 
 # ---- tree helpers -------------------------------------------------------------------------------------------
 

@@ -293,6 +293,31 @@ def test_ttt_loss_and_gradients_equal_the_masked_path(monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_the_kl_term_at_a_temperature_adds_to_the_loss_and_trains_the_tempered_distribution():
+    """Off unless asked; on, T**2 * KL(p_T || q_T) per step, which a few optimizer steps lower."""
+    torch.manual_seed(0)
+    target = random_model(tiny_config(64), seed=1)
+    drafter = new_drafter(target.cfg, torch.arange(0, 64, 2), target.embed_tokens, seed=2)
+    x = torch.randint(0, 64, (2, 12))
+    plain, tempered = D.target_outputs(target, drafter, x), D.target_outputs(target, drafter, x, 0.7)
+    assert plain.tempered is None
+    with pytest.raises(EngineError, match="tempered"):
+        D.ttt_loss(drafter, x, plain, 3, 0.8, 0.7)
+
+    def kl_part() -> float:
+        with torch.no_grad():
+            return float(D.ttt_loss(drafter, x, tempered, 3, 0.8, 0.7)[0] - D.ttt_loss(drafter, x, plain, 3, 0.8)[0])
+
+    before = kl_part()
+    assert before > 0.01
+    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(15):
+        opt.zero_grad()
+        D.ttt_loss(drafter, x, tempered, 3, 0.8, 0.7)[0].backward()
+        opt.step()
+    assert kl_part() < before / 2
+
+
 def test_ttt_steps_equal_sequential_drafting_with_the_kv_cache():
     """Unrolled step j at base t gives exactly the logits the inference path gives for draft step j+1 after
     extending positions 0..t with target features (tokens teacher-forced)."""
@@ -353,6 +378,16 @@ def test_drafter_training_lowers_loss_and_saves_the_published_format(world, tmp_
     chosen[ids] = True
     assert counts[chosen].min() >= counts[~chosen].max() and counts.argmax() in ids
     world["drafter"] = r.path
+
+
+def test_a_drafter_run_with_a_kl_temperature_trains_on_the_kl_loss(world, tmp_path):
+    """DrafterRun.kl_temperature reaches the training loss (off by default: the same losses as before)."""
+    runs = {t: D.train_drafter(tmp_path / f"d{t}", drafter_run(steps=4, kl_temperature=t), world["target"].path)
+            for t in (0.0, 0.7)}
+    plain, kl = (runs[t].log.history["loss"] for t in (0.0, 0.7))
+    assert kl[0] > plain[0]  # the same first batch and weights, plus a KL term >= 0
+    with pytest.raises(EngineError, match="kl_temperature"):
+        D.train_drafter(tmp_path / "bad", drafter_run(kl_temperature=float("nan")), world["target"].path)
 
 
 def test_finetuning_keeps_the_draft_vocab_and_measures_accept_length_as_it_goes(world, tmp_path):

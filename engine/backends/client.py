@@ -10,7 +10,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,16 @@ import httpx
 import numpy as np
 
 from engine.backends import sglang, vllm
+from engine.cli_options import (DEBUG_ATTRS, EXIT_CHECK_FAILED, EXIT_CODES, EXIT_OK, FiniteFloatRange,
+                                OneLineErrors)
 from engine.errors import EngineError
+
+
+class Command(OneLineErrors, click.Command):
+    """The client as `python -m engine`'s commands: one-line errors, the same exit codes (engine.cli_options)."""
+
+    def main(self, args=None, prog_name=None, *a, **kw):
+        return super().main(args, prog_name or "python -m engine.backends.client", *a, **kw)
 
 # A small mixed prompt set (chat, code, reasoning, summary) so accept length is not measured on one kind of text.
 DEFAULT_PROMPTS = (
@@ -180,6 +188,8 @@ async def run_benchmark(url: str, prompts: list[str] | tuple[str, ...] = DEFAULT
     """Send `requests` requests (prompts in turn), at most `concurrency` at a time, and summarize them."""
     if requests < 1 or concurrency < 1 or not prompts:
         raise EngineError("need requests >= 1, concurrency >= 1 and at least one prompt")
+    if not url.startswith(("http://", "https://")):
+        raise EngineError(f"url must start with http:// or https://, got {url!r}")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     path = "/v1/chat/completions" if chat else "/v1/completions"
     limits = httpx.Limits(max_connections=concurrency + 1)
@@ -266,37 +276,33 @@ def load_prompts(path: str | None) -> list[str]:
     return prompts
 
 
-@click.command()
+@click.command(cls=Command, epilog=EXIT_CODES.replace("no engine command checks anything", "a request failed"),
+               context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True, help="Server base URL.")
 @click.option("--model", default=None, help="Model name sent in each request (default: the first of /v1/models).")
 @click.option("--prompts", "prompts_path", default=None, help="Text file (one prompt a line) or .jsonl.")
 @click.option("-n", "--requests", default=16, show_default=True, type=click.IntRange(min=1))
 @click.option("-c", "--concurrency", default=1, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0.0))
+@click.option("--temperature", default=0.0, show_default=True, type=FiniteFloatRange(min=0.0))
 @click.option("--chat/--completions", default=True, show_default=True, help="Endpoint to use.")
 @click.option("--stream/--no-stream", default=True, show_default=True, help="Streaming gives TTFT and ITL.")
 @click.option("--ignore-eos", is_flag=True, help="Generate max_tokens every time (SGLang/vLLM extension).")
 @click.option("--api-key", default=None, envvar="OPENAI_API_KEY")
-@click.option("--timeout", "timeout_s", default=600.0, show_default=True, help="Per-request timeout, seconds.")
+@click.option("--timeout", "timeout_s", default=600.0, show_default=True,
+              type=FiniteFloatRange(min=0.0, min_open=True), help="Per-request timeout, seconds.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-@click.option("--debug", is_flag=True, help="Show tracebacks.")
+@click.option("--debug", **DEBUG_ATTRS)
 def main(url: str, model: str | None, prompts_path: str | None, requests: int, concurrency: int, max_tokens: int,
          temperature: float, chat: bool, stream: bool, ignore_eos: bool, api_key: str | None, timeout_s: float,
-         as_json: bool, debug: bool) -> None:
-    """Benchmark an OpenAI-compatible endpoint. Exit code 1 when any request failed, 2 on bad input."""
-    try:
-        summary = benchmark(
-            url, load_prompts(prompts_path), requests=requests, concurrency=concurrency, max_tokens=max_tokens,
-            temperature=temperature, chat=chat, stream=stream, ignore_eos=ignore_eos, model=model, api_key=api_key,
-            timeout_s=timeout_s)
-    except EngineError as e:
-        if debug:
-            raise
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
+         as_json: bool) -> None:
+    """Benchmark an OpenAI-compatible endpoint."""
+    summary = benchmark(
+        url, load_prompts(prompts_path), requests=requests, concurrency=concurrency, max_tokens=max_tokens,
+        temperature=temperature, chat=chat, stream=stream, ignore_eos=ignore_eos, model=model, api_key=api_key,
+        timeout_s=timeout_s)
     click.echo(json.dumps(summary.to_dict(), indent=2) if as_json else format_summary(summary))
-    sys.exit(1 if summary.failed else 0)
+    click.get_current_context().exit(EXIT_CHECK_FAILED if summary.failed else EXIT_OK)
 
 
 if __name__ == "__main__":

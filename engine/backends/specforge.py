@@ -36,6 +36,7 @@ import yaml
 from safetensors import safe_open
 
 from engine.errors import EngineError
+from engine.fsutil import atomic_write
 from engine.loading import weight_files
 
 SPECFORGE_VERSION = "0.2.0"
@@ -58,7 +59,8 @@ class CaptureRun:
     batch_size: int = 32
     num_samples: int | None = None
     mem_fraction: float | None = None
-    trust_remote_code: bool = True
+    # Runs the checkpoint's own Python (Kimi-K2's tokenizer and model code need it): opt in for a checkpoint you trust
+    trust_remote_code: bool = False
     python: str = "python"
 
     def command(self) -> list[str]:
@@ -100,7 +102,7 @@ class TrainRun:
     cache_dir: str = "./cache"
     embedding_key: str = "model.embed_tokens.weight"  # the target's tensor names (a multimodal checkpoint prefixes
     lm_head_key: str = "lm_head.weight"  # them, e.g. language_model.): see its model.safetensors.index.json
-    trust_remote_code: bool = True
+    trust_remote_code: bool = False  # as CaptureRun's: opt in
 
     def __post_init__(self) -> None:
         if self.init_drafter and not self.vocab_mapping:
@@ -132,7 +134,7 @@ class TrainRun:
     def write_config(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(yaml.safe_dump(self.config(), sort_keys=False))
+        atomic_write(path, yaml.safe_dump(self.config(), sort_keys=False))
         return path
 
     def command(self, config_path: str | Path, python: str = "python") -> list[str]:
@@ -185,9 +187,8 @@ def save_vocab_mapping(drafter_dir: str | Path, path: str | Path) -> Path:
     """The drafter's mapping in the file format SpecForge's `model.vocab_mapping_path` loads ({"d2t", "t2d"})."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(vocab_mapping(drafter_dir), tmp)
-    tmp.replace(path)
+    mapping = vocab_mapping(drafter_dir)
+    atomic_write(path, lambda tmp: torch.save(mapping, tmp))
     return path
 
 

@@ -11,7 +11,9 @@ draft layer's own pre-norm output of step j-1 at base t; its token is x_{t+j+1};
 attends to step-0 keys at bases <= t (the context the target verified) and to its own chain's keys of steps
 1..j at base t only. The label is the target's next-token distribution at position t+j+1 restricted to the draft
 vocabulary (soft cross-entropy), weighted 0.8**j; positions whose target argmax is outside the draft vocabulary, or
-that run past the sequence, are left out (as SpecForge does).
+that run past the sequence, are left out (as SpecForge does). With `kl_temperature` T > 0 each step also adds
+T**2 * KL(p_T || q_T) between the target's and the drafter's distributions at temperature T (distillation's
+scaling keeps its gradients the size of the T = 1 term's).
 
 The unrolled keys are held by `StepKV`, which stands in for the attention module's KV cache (the engine's cache
 interface: `update(slots, k, v) -> all keys and values so far`, here one tensor per step), and the module's attention
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -120,14 +123,18 @@ class Targets:
     probs: torch.Tensor  # [B, T, Vd] next-token distribution over the draft vocabulary
     argmax: torch.Tensor  # [B, T] target-vocabulary id of the target's top token
     in_draft: torch.Tensor  # [B, T] bool: that top token is in the draft vocabulary
+    tempered: torch.Tensor | None = None  # [B, T, Vd] the distribution at kl_temperature (None: no KL term)
 
 
 @torch.no_grad()
-def target_outputs(target: Transformer, drafter: Eagle3Drafter, x: torch.Tensor) -> Targets:
+def target_outputs(target: Transformer, drafter: Eagle3Drafter, x: torch.Tensor, kl_temperature: float = 0.0
+                   ) -> Targets:
     logits, aux = target(x, torch.arange(x.shape[1], device=x.device), hidden_layers=drafter.aux_layers)
     draft_ids = torch.arange(drafter.cfg.draft_vocab_size, device=x.device) + drafter.d2t
     top = logits.argmax(-1)
-    return Targets(aux, logits[..., draft_ids].float().softmax(-1), top, drafter.t2d[top])
+    draft_logits = logits[..., draft_ids].float()
+    tempered = (draft_logits / kl_temperature).softmax(-1) if kl_temperature > 0 else None
+    return Targets(aux, draft_logits.softmax(-1), top, drafter.t2d[top], tempered)
 
 
 def _shift(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -147,9 +154,12 @@ def ttt_logits(drafter: Eagle3Drafter, x: torch.Tensor, features: torch.Tensor, 
             yield logits
 
 
-def ttt_loss(drafter: Eagle3Drafter, x: torch.Tensor, tg: Targets, steps: int, decay: float
-             ) -> tuple[torch.Tensor, list[float]]:
-    """Weighted soft cross-entropy of `steps` unrolled draft steps over x [B, T]; per-step top-1 accuracy."""
+def ttt_loss(drafter: Eagle3Drafter, x: torch.Tensor, tg: Targets, steps: int, decay: float,
+             kl_temperature: float = 0.0) -> tuple[torch.Tensor, list[float]]:
+    """Weighted soft cross-entropy of `steps` unrolled draft steps over x [B, T] (plus the KL term at kl_temperature
+    when > 0: target_outputs must have been given the same temperature); per-step top-1 accuracy."""
+    if kl_temperature > 0 and tg.tempered is None:
+        raise EngineError("a KL term needs the target's tempered distribution: target_outputs(..., kl_temperature)")
     T = x.shape[1]
     pos = torch.arange(T, device=x.device)
     total = x.new_zeros((), dtype=torch.float32)
@@ -157,6 +167,10 @@ def ttt_loss(drafter: Eagle3Drafter, x: torch.Tensor, tg: Targets, steps: int, d
     for j, logits in enumerate(ttt_logits(drafter, x, tg.features, steps)):
         valid = (pos < T - 1 - j)[None, :] & _shift(tg.in_draft, j + 1)  # [B, T]
         ce = -(_shift(tg.probs, j + 1) * logits.log_softmax(-1)).sum(-1)  # [B, T]
+        if kl_temperature > 0:
+            kl = F.kl_div((logits.float() / kl_temperature).log_softmax(-1), _shift(tg.tempered, j + 1),
+                          reduction="none").sum(-1)  # [B, T]: sum p_T (log p_T - log q_T), 0 log 0 = 0
+            ce = ce + kl_temperature ** 2 * kl
         n = valid.sum().clamp(min=1)
         total = total + decay ** j * (ce * valid).sum() / n
         hit = drafter.draft_to_target(logits.argmax(-1)) == _shift(tg.argmax, j + 1)
@@ -222,10 +236,15 @@ def train_drafter(out_dir: str | Path, run: DrafterRun, target_dir: str | Path, 
     eval_fn(drafter, target) -> {name: value} is called every eval_every steps on a copy saved and loaded as
     published."""
     out, target_dir = Path(out_dir), Path(target_dir)
+    if not (math.isfinite(run.kl_temperature) and run.kl_temperature >= 0):
+        raise EngineError(f"kl_temperature must be a finite number >= 0 (0: no KL term), got {run.kl_temperature}")
     if init_from is not None:
         check_pair(target_dir, Path(init_from))
     tok = load_tokenizer(target_dir)
-    params = {"run": dataclasses.asdict(run), "target": file_digest(target_dir / "model.safetensors"),
+    run_params = dataclasses.asdict(run)
+    if not run.kl_temperature:  # off: the parameters of runs made before the field, whose outputs stay valid
+        del run_params["kl_temperature"]
+    params = {"run": run_params, "target": file_digest(target_dir / "model.safetensors"),
               "tokenizer": tokenizer_hash(target_dir), "corpus": corpus.manifest_hash(),
               "init_from": file_digest(Path(init_from) / "model.safetensors") if init_from else None,
               "save_dtype": save_dtype}
@@ -249,7 +268,8 @@ def train_drafter(out_dir: str | Path, run: DrafterRun, target_dir: str | Path, 
         rows = torch.randint(0, len(seqs), (run.batch_size,), generator=step_generator(run.seed, step))
         x = seqs[rows].to(dev)
         with autocast(dev):
-            loss, accs = ttt_loss(drafter, x, target_outputs(target, drafter, x), run.ttt_steps, run.step_decay)
+            tg = target_outputs(target, drafter, x, run.kl_temperature)
+            loss, accs = ttt_loss(drafter, x, tg, run.ttt_steps, run.step_decay, run.kl_temperature)
         return loss, {f"acc_{j}": a for j, a in enumerate(accs)}
 
     def evaluate() -> dict[str, float]:

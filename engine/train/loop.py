@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from engine import quiet
+from engine import fsutil, quiet
 from engine.errors import EngineError
 
 STATE = "train-state.pt"
@@ -88,14 +88,11 @@ def _why(e: OSError) -> str:
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """write(tmp) then os.replace: a reader sees the old file or the new one, never half of one.
-    Disk full (or any OSError) leaves the previous file intact and becomes one clear error."""
-    tmp = path.with_name(path.name + ".tmp")
+    """engine.fsutil.atomic_write (a reader sees the old file or the new one, never half of one); disk full (or any
+    OSError) leaves the previous file intact and becomes one clear error."""
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        fsutil.atomic_write(path, write)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         kept = "; the previous one is intact" if path.exists() else ""
         raise EngineError(f"{_why(e)} while writing {path}{kept}") from None
 

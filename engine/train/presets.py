@@ -47,6 +47,10 @@ class DrafterRun:
     regen_batch: int = 64  # sequences generated at once
     ttt_steps: int = 7  # unrolled training-time-test steps
     step_decay: float = 0.8  # loss weight of step j: step_decay ** j
+    # > 0: also fit the target's distribution at this sampling temperature, T**2 * KL(p_T || q_T) per step (as
+    # EAGLE-3 and SpecForge distil); 0: off. Helps a drafter whose drafts are sampled from q_T; the engine drafts
+    # greedily (acceptance p_T(argmax q)), which only argmax q decides
+    kl_temperature: float = 0.0
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     grad_clip: float = 0.5

@@ -9,6 +9,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from engine.errors import EngineError
+from engine.fsutil import atomic_write
 
 EOS = "<|endoftext|>"  # id 0: document separator in the token stream and the models' eos
 
@@ -28,12 +29,10 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
 def save_tokenizer(tok: Tokenizer, path: str | Path) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tmp = path / "tokenizer.json.tmp"
-    tok.save(str(tmp))
-    tmp.replace(path / "tokenizer.json")
+    atomic_write(path / "tokenizer.json", lambda tmp: tok.save(str(tmp)))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": None,
               "model_max_length": 1 << 20}
-    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    atomic_write(path / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
     return path
 
 
