@@ -26,7 +26,7 @@ from typing import Iterable
 
 import yaml
 
-from specbook import SpecbookError, records, verify
+from specbook import SpecbookError, headlines, records, verify
 from specbook.fsutil import atomic_write
 
 FRONT_MATTER_KEYS = ("title", "status", "updated", "runbooks", "records")
@@ -373,10 +373,17 @@ def _check_checks(root: Path, text: str, file: str, cache: dict) -> list[Problem
     return out
 
 
+def doc_texts(root: Path) -> dict[str, str]:
+    """{relative path: text} of every docs page, README.md and AGENTS.md."""
+    return {p.relative_to(root).as_posix(): p.read_text() for p in [*doc_files(root), *extra_files(root)]}
+
+
 def check_docs(root: Path | str) -> list[Problem]:
-    """Every problem of the docs (and README.md), each with file and line; empty when the docs are true."""
+    """Every problem of the docs (and README.md), each with file and line; empty when the docs are true. A headline
+    that is down without a word why in the docs is one (specbook.headlines)."""
     root = Path(root)
-    problems, cache = [], {}
+    problems = [Problem(*p) for p in headlines.problems(root, doc_texts(root))]
+    cache: dict = {}
     for path in [*doc_files(root), *extra_files(root)]:
         file = path.relative_to(root).as_posix()
         text = path.read_text()

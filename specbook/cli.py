@@ -256,6 +256,7 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, recor
             _refresh_docs(root, [o.target.rb.name for o in outcomes if o.run_id])
             for path in write_generated(root):
                 _log(f"updated {path.relative_to(root)}")
+        _headlines_down(root, {o.run_id for o in outcomes if o.run_id})
     rows = []
     for o in outcomes:
         prof = before[o.target.rb.name].data["profiles"].get(profile, {})
@@ -305,6 +306,7 @@ def record_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profiles: tupl
         _refresh_docs(root, [r.runbook for r in done if r.run_id])
         for path in write_generated(root):
             _log(f"updated {path.relative_to(root)}")
+    _headlines_down(root, {r.run_id for r in done if r.run_id})
     failed = [r for r in done if not r.run_id]
     rows = [[r.runbook, r.profile, r.run_id or f"failed: {r.error}"] for r in done]
     text = _table(["runbook", "profile", "recorded run"], rows) + (
@@ -400,6 +402,16 @@ def _change(old: dict | None, value: float) -> str:
     if d is None:
         return "within tolerance"
     return f"{d} (exact number)" if records.kind_of(old) == "exact" else ONE_RUN[d]
+
+
+def _headlines_down(root: Path, runs: set[str]) -> None:
+    """Say which headlines the runs just recorded left below their best (specbook.headlines): a re-record must not
+    silently become the new reference."""
+    from specbook import claims, headlines
+
+    for s in headlines.new_drops(root, claims.doc_texts(root), runs):
+        _log(f"HEADLINE DOWN: {s.headline.key} ({s.headline.what}): {s.state()}; until the docs say why, "
+             f"`runbook verify --docs` fails; paste: {s.marker()}")
 
 
 def _refresh_docs(root: Path, ran: list[str]) -> None:
@@ -509,7 +521,8 @@ def _check_docs(root: Path) -> list:
 
 
 @main.command("site")
-@click.option("--check", is_flag=True, help="Write nothing; exit 1 when a generated file is out of date.")
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 when a generated file is out of date or a headline "
+              "is down without a word why in the docs (headlines.yaml).")
 @click.pass_obj
 @click.pass_context
 def site_(ctx: click.Context, obj: Ctx, check: bool) -> None:
@@ -520,10 +533,15 @@ def site_(ctx: click.Context, obj: Ctx, check: bool) -> None:
 
     root = obj.root
     if check:
+        from specbook import headlines
+
         stale = site.out_of_date(root)
         for p in stale:
             click.echo(f"{p.relative_to(root)}: out of date; run `runbook site`")
-        ctx.exit(1 if stale else 0)
+        down = headlines.problems(root, claims.doc_texts(root))
+        for file, line, message in down:
+            click.echo(f"{file}{f':{line}' if line else ''}: {message}")
+        ctx.exit(1 if stale or down else 0)
     with records.docs_lock(root):
         changed = [*claims.refresh_docs(root), *site.write_generated(root)]
     click.echo("\n".join(f"wrote {Path(p).relative_to(root)}" for p in changed) or "generated files are up to date")

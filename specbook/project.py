@@ -4,6 +4,7 @@
     engine_package = "engine"      # the package whose code a runbook's engine hash covers (engine_hash)
     timing_lock = true             # the engine keeps the timing lock (specbook.parallel): exact runbooks may run
                                    # beside a timing one on its GPU
+    headlines = "headlines.yaml"   # the headline numbers and their goals (specbook.headlines)
     [tool.specbook.inputs]         # named inputs a runbook may declare (`inputs: [corpus]`)
     corpus = "engine.train.corpus:manifest_hash"   # module:function, called without arguments, returns a hash
     [tool.specbook.kernel_env]     # variables every runbook kernel starts with (unless the environment sets them)
@@ -39,6 +40,7 @@ class Settings:
     inputs: dict[str, str] = field(default_factory=dict)  # name -> "module:function"
     timing_lock: bool = False  # the engine keeps the timing lock's protocol (specbook.parallel, TIMING_LOCK_ENV)
     kernel_env: dict[str, str] = field(default_factory=dict)  # what every runbook kernel starts with
+    headlines: str | None = None  # the file naming the headline numbers (specbook.headlines), relative to the root
 
 
 def settings(root: Path) -> Settings:
@@ -74,7 +76,12 @@ def _load(path: Path, mtime_ns: int, size: int) -> Settings:
     kernel_env = tool.get("kernel_env", {})
     if not (isinstance(kernel_env, dict) and all(isinstance(v, str) for v in kernel_env.values())):
         raise SpecbookError(f"{path}: [tool.specbook.kernel_env] must be a table of NAME = \"value\" (strings)")
-    return Settings(package, dict(inputs), timing_lock, dict(kernel_env))
+    headlines = tool.get("headlines")
+    if headlines is not None and not (isinstance(headlines, str) and headlines and not Path(headlines).is_absolute()
+                                      and ".." not in Path(headlines).parts):
+        raise SpecbookError(f"{path}: tool.specbook.headlines must be a file path inside the repository, not "
+                            f"{headlines!r}")
+    return Settings(package, dict(inputs), timing_lock, dict(kernel_env), headlines)
 
 
 def input_function(target: str) -> Callable[[], object]:

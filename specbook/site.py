@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specbook import claims, records, verify
+from specbook import claims, headlines, records, verify
 from specbook.execute import EXECUTED
 from specbook.fsutil import atomic_write
 
@@ -268,9 +268,22 @@ def status_page(root: Path | str) -> str:
             "- Re-measured: where the number can be measured again (`cpu` numbers by CI on every submission; `h200` "
             "numbers by `runbook verify --profile h200` on a lent H200).", "",
             "Counts: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + ".", "",
+            *headline_section(root),
+            "## Every documented number", "",
             "| number | quoted at | value | re-measured | state | inputs since | measured (date, hardware, commit) |",
             "|---|---|---|---|---|---|---|"]
     return "\n".join(head + rows) + "\n"
+
+
+def headline_section(root: Path) -> list[str]:
+    """The headlines (headlines.yaml) first: where each stands against its best and its goal."""
+    rows = headlines.markdown(root, claims.doc_texts(root))
+    if len(rows) <= 2:
+        return []
+    return ["## Headlines", "",
+            "The numbers the mission stands on, each against the best its record's history holds and its goal "
+            "(`headlines.yaml`). A headline down by more than its noise must be explained in the docs "
+            "(`<!-- regression: KEY@RUN -->`), or CI fails.", "", *rows, ""]
 
 
 def generated(root: Path | str) -> dict[Path, str]:
