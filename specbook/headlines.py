@@ -144,6 +144,20 @@ def load(root: Path) -> list[Headline]:
     return out
 
 
+def history(root: Path, h: Headline, cache: dict) -> list[Point]:
+    """Every recorded value of a headline, oldest first."""
+    runbook, profile, metric = h.parts
+    if runbook not in cache:
+        path = records.path_for(Path(root), runbook)
+        cache[runbook] = records.load(path).data if path.is_file() else None
+    prof = ((cache[runbook] or {}).get("profiles") or {}).get(profile) or {}
+    entry = (prof.get("metrics") or {}).get(metric)
+    if entry is None:
+        return []
+    runs = {r["id"]: r for r in prof["runs"]}
+    return [_point(e, runs) for e in entry.get("history") or [entry]]
+
+
 def _point(entry: dict[str, Any], runs: dict[str, dict]) -> Point:
     prov = (runs.get(entry["run"]) or {}).get("provenance") or {}
     return Point(float(entry["value"]), str(entry["run"]), str(entry.get("date", "")),
@@ -155,12 +169,9 @@ def standing(root: Path, h: Headline, cache: dict | None = None, explanations: d
     cache = {} if cache is None else cache
     runbook, profile, metric = h.parts
     s = Standing(h)
-    if runbook not in cache:
-        path = records.path_for(Path(root), runbook)
-        cache[runbook] = records.load(path).data if path.is_file() else None
-    data = cache[runbook]
-    prof = (data or {}).get("profiles", {}).get(profile)
-    entry = (prof or {}).get("metrics", {}).get(metric)
+    points = history(root, h, cache)
+    prof = cache[runbook]["profiles"][profile] if points else None
+    entry = prof["metrics"][metric] if prof else None
     if entry is None:
         s.problem = f"no record of {h.key}"
         return s
@@ -170,17 +181,15 @@ def standing(root: Path, h: Headline, cache: dict | None = None, explanations: d
         return s
     tol = entry.get("tolerance") or {}
     s.noise = 0.0 if records.kind_of(entry) == "exact" else float(tol.get("rel", 0.0))
-    runs = {r["id"]: r for r in prof["runs"]}
-    history = [_point(e, runs) for e in entry.get("history") or [entry]]
-    best_at = _best_index(s, history)
-    s.best, s.now = history[best_at], history[-1]
-    for before, after in zip(history[best_at:], history[best_at + 1:]):
+    best_at = _best_index(s, points)
+    s.best, s.now = points[best_at], points[-1]
+    for before, after in zip(points[best_at:], points[best_at + 1:]):
         if s._worse(after.value, before.value) or (s._worse(after.value, s.best.value)
                                                    and not s._worse(before.value, s.best.value)):
             s.drops.append((before, after))
     if s.down:
-        order = {p.run: i for i, p in enumerate(history)}
-        last = order[s.drops[-1][1].run] if s.drops else len(history) - 1
+        order = {p.run: i for i, p in enumerate(points)}
+        last = order[s.drops[-1][1].run] if s.drops else len(points) - 1
         for run, where in (explanations or {}).get(h.key, []):
             if order.get(run, -1) >= last:
                 s.explained = where
@@ -263,3 +272,46 @@ def markdown(root: Path, texts: dict[str, str]) -> list[str]:
         rows.append(f"| {h.what} (`{h.key}`) | {fmt(s.now.value)} {s.unit} ({s.now.date[:10]}) | "
                     f"{fmt(s.best.value)} ({s.best.date[:10]}) | {goal} | {state} |")
     return rows
+
+
+def history_svg(root: Path, shown: list[Standing]) -> str:
+    """Small multiples: one panel per headline, its every recorded value in order (x: the run's date), the goal
+    dashed, the best ringed and the runs that lowered it in red; one quantity and its unit per panel."""
+    import matplotlib  # noqa: PLC0415 - heavy, only needed when the site is built
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    shown = [s for s in shown if not s.problem]
+    cols = 3
+    rows = max(1, -(-len(shown) // cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.4 * rows), squeeze=False)
+    cache: dict = {}
+    for ax, s in zip(axes.flat, shown):
+        points = history(root, s.headline, cache)
+        xs = list(range(len(points)))
+        ax.plot(xs, [p.value for p in points], marker="o", ms=3, color="#3366aa", lw=1)
+        lowered = {after.run for _, after in s.drops}
+        bad = [(i, p.value) for i, p in enumerate(points) if p.run in lowered]
+        if bad:
+            ax.plot(*zip(*bad), "o", color="#cc2222", ms=5, label="lowered it")
+        best = next(i for i, p in enumerate(points) if p.run == s.best.run)
+        ax.plot([best], [points[best].value], "o", mfc="none", mec="#228822", ms=9, label="best")
+        if s.headline.goal is not None:
+            ax.axhline(s.headline.goal, color="grey", ls="--", lw=0.8, label="goal")
+        ax.set_title(f"{s.headline.key}", fontsize=8)
+        ax.set_ylabel(s.unit or "value", fontsize=8)
+        ticks = sorted({0, len(points) - 1})
+        ax.set_xticks(ticks, [points[i].date[5:10] for i in ticks], fontsize=7)
+        ax.tick_params(axis="y", labelsize=7)
+    for ax in list(axes.flat)[len(shown):]:
+        ax.axis("off")
+    if shown:
+        axes.flat[0].legend(fontsize=6, frameon=False)
+    fig.tight_layout()
+    import io  # noqa: PLC0415
+
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return buf.getvalue()

@@ -147,6 +147,12 @@ def dashboard(root: Path | str) -> tuple[str, dict[str, str]]:
            "the verdicts mean and how to reproduce a number.", ""]
     if not rows:
         out.append("No records yet: run `runbook run NAME`.")
+    plots: dict[str, str] = {}
+    standing = headlines.standings(root, claims.doc_texts(root))
+    if standing:
+        out += ["## Headlines", "", *headlines.markdown(root, claims.doc_texts(root)), "",
+                "![every recorded value of each headline](dashboard/headlines.svg)", ""]
+        plots["dashboard/headlines.svg"] = headlines.history_svg(root, standing)
     for (runbook, profile), group in groups.items():
         latest = max(group, key=lambda r: r.date)
         out += [f"## {runbook} / {profile}", "",
@@ -160,7 +166,7 @@ def dashboard(root: Path | str) -> tuple[str, dict[str, str]]:
         if (root / notebook).is_file():
             out += [f"Executed notebook: [{notebook.name}]({notebook.relative_to('docs').as_posix()})", ""]
         out += [_table(group), "", f"![history of {runbook} / {profile}](dashboard/{runbook}-{profile}.svg)", ""]
-    plots = {f"dashboard/{rb}-{pf}.svg": history_svg(g) for (rb, pf), g in groups.items()}
+    plots.update({f"dashboard/{rb}-{pf}.svg": history_svg(g) for (rb, pf), g in groups.items()})
     return "\n".join(out) + "\n", plots
 
 
