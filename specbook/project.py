@@ -7,6 +7,8 @@
     headlines = "headlines.yaml"   # the headline numbers and their goals (specbook.headlines)
     [tool.specbook.inputs]         # named inputs a runbook may declare (`inputs: [corpus]`)
     corpus = "engine.train.corpus:manifest_hash"   # module:function, called without arguments, returns a hash
+    [tool.specbook.same_parameters]  # a machine that runs another's profiles, recorded apart
+    h100 = "h200"
     [tool.specbook.kernel_env]     # variables every runbook kernel starts with (unless the environment sets them)
     MKL_CBWR = "AVX2"              # e.g. one code path for the CPU's math on every x86 machine
 
@@ -41,6 +43,7 @@ class Settings:
     timing_lock: bool = False  # the engine keeps the timing lock's protocol (specbook.parallel, TIMING_LOCK_ENV)
     kernel_env: dict[str, str] = field(default_factory=dict)  # what every runbook kernel starts with
     headlines: str | None = None  # the file naming the headline numbers (specbook.headlines), relative to the root
+    same_parameters: dict[str, str] = field(default_factory=dict)  # machine -> machine whose profiles it runs
 
 
 def settings(root: Path) -> Settings:
@@ -81,7 +84,11 @@ def _load(path: Path, mtime_ns: int, size: int) -> Settings:
                                       and ".." not in Path(headlines).parts):
         raise SpecbookError(f"{path}: tool.specbook.headlines must be a file path inside the repository, not "
                             f"{headlines!r}")
-    return Settings(package, dict(inputs), timing_lock, dict(kernel_env), headlines)
+    same = tool.get("same_parameters", {})
+    if not (isinstance(same, dict) and all(isinstance(k, str) and isinstance(v, str) and _PACKAGE.match(k)
+                                           and _PACKAGE.match(v) and k != v for k, v in same.items())):
+        raise SpecbookError(f"{path}: [tool.specbook.same_parameters] must be a table of machine = \"machine\"")
+    return Settings(package, dict(inputs), timing_lock, dict(kernel_env), headlines, dict(same))
 
 
 def input_function(target: str) -> Callable[[], object]:

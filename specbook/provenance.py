@@ -170,6 +170,8 @@ def profile_of(names: tuple[str, ...]) -> str:
         return "cpu"
     if all("H200" in n for n in names):
         return "h200"
+    if all("H100" in n for n in names) and len(names) == 1:
+        return "h100"
     if len(names) == 8 and all("RTX PRO 6000" in n for n in names):
         return "8x-rtx-pro-6000"
     slug = re.sub(r"[^a-z0-9]+", "-", names[0].lower().replace("nvidia", "")).strip("-")

@@ -19,7 +19,7 @@ from typing import Any
 import jupytext
 import yaml
 
-from specbook import RunFailed, SpecbookError
+from specbook import RunFailed, SpecbookError, project
 
 ROOT_ENV = "SPECBOOK_ROOT"
 INJECTED = ("outputs_dir", "upstream")  # set by specbook when the parameters cell declares them
@@ -147,13 +147,27 @@ def load(root: Path, name: str) -> Runbook:
         raise SpecbookError(f"{path}: not a jupytext percent-format notebook: {e}") from None
     header = _header(path, nb, root)
     params = _parameters(path, nb)
-    rb = Runbook(name=name, path=path, title=header["title"], profiles=header["profiles"], parameters=params,
+    rb = Runbook(name=name, path=path, title=header["title"], profiles=with_same_parameters(root, header["profiles"]),
+                 parameters=params,
                  **{k: header[k] for k in ("reproduces", "feeds", "depends", "inputs", "timeout", "cell_timeout",
                                            "conclusion") if k in header})
     for profile, overrides in rb.profiles.items():
         for k, v in overrides.items():
             rb.profiles[profile][k] = check_value(rb, k, v, where=f"profile {profile}")
     return rb
+
+
+def with_same_parameters(root: Path, profiles: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The header's profiles, plus those of machines the project runs on the parameters of another
+    ([tool.specbook.same_parameters], e.g. h100 = "h200": an H100 runs what the H200 profile runs, recorded apart as
+    h100, and its variants likewise). A runbook's own declaration of such a profile wins."""
+    out = dict(profiles)
+    for machine, source in project.settings(root).same_parameters.items():
+        for name, params in profiles.items():
+            hw, dot, variant = name.partition(".")
+            if hw == source:
+                out.setdefault(machine + dot + variant, dict(params))
+    return out
 
 
 def _without_profiles(lines: list[str]) -> list[str]:

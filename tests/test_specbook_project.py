@@ -84,3 +84,16 @@ def test_this_repository_declares_its_engine_and_corpus():
     s = runbooks.load(ROOT, "train-target")
     assert s.inputs == ["corpus"] and "corpus" in provenance.known_inputs(ROOT)
     assert provenance.project.settings(ROOT).engine_package == "engine"
+
+
+def test_a_machine_of_same_parameters_runs_the_other_profiles_recorded_apart(tmp_path):
+    root = make_repo(tmp_path / "repo", up=runbook_text(profiles="{cpu: {}, h200: {value: 2.0}, h200.big: {value: 3.0}}"))
+    assert set(runbooks.load(root, "up").profiles) == {"cpu", "h200", "h200.big"}
+    configure(root, '[tool.specbook]\nengine_package = "engine"\n[tool.specbook.same_parameters]\nh100 = "h200"\n')
+    rb = runbooks.load(root, "up")
+    assert rb.params_for("h100")["value"] == 2.0 and rb.params_for("h100.big")["value"] == 3.0
+    assert provenance.profile_of(("NVIDIA H100 80GB HBM3",)) == "h100"
+    assert provenance.profile_of(("NVIDIA H200",)) == "h200"
+    configure(root, '[tool.specbook.same_parameters]\nh100 = "../h200"\n')
+    with pytest.raises(SpecbookError, match="same_parameters"):
+        runbooks.load(root, "up")
