@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specbook import SpecbookError, claims, runbooks, site, verify
+from specbook import SpecbookError, claims, headlines, runbooks, site, verify
 
 CHARS_PER_TOKEN = 4  # a rough, conservative estimate for English and numbers
 
@@ -118,6 +118,18 @@ def next_step_lines(root: Path) -> list[str]:
     return [f"- {item}" for item in next_steps(root)]
 
 
+def headline_lines(root: Path) -> list[str]:
+    """The headlines (headlines.yaml), those down or below their goal first: what the mission stands on."""
+    out = []
+    for s in headlines.standings(root, claims.doc_texts(root)):
+        if s.problem or s.now is None:
+            continue
+        goal = "" if s.headline.goal is None else f", goal {headlines.fmt(s.headline.goal)}"
+        out.append((not s.down and s.met is not False,
+                    f"- {s.headline.key} = {headlines.fmt(s.now.value)} {s.unit}{goal}: {s.state()}"))
+    return [line for _, line in sorted(out, key=lambda x: x[0])]
+
+
 def problem_lines(root: Path) -> list[str]:
     return [f"- {p}" for p in claims.check_docs(root)]
 
@@ -143,7 +155,11 @@ def context_data(root: Path | str) -> dict[str, Any]:
     numbers = [{"runbook": r.runbook, "profile": r.profile, "metric": r.metric, "value": r.value, "unit": r.unit,
                 "state": r.verdict, "source": r.source, "hardware": r.hardware, "date": r.date, "here": r.here}
                for r in site.record_rows(root)]
-    return {"numbers": numbers, "claims": claim_rows(root), "decisions": decisions(root),
+    marks = claims.doc_texts(root)
+    heads = [{"key": s.headline.key, "what": s.headline.what, "goal": s.headline.goal,
+              "now": s.now.value if s.now else None, "best": s.best.value if s.best else None, "down": s.down,
+              "explained": s.explained, "state": s.state()} for s in headlines.standings(root, marks)]
+    return {"headlines": heads, "numbers": numbers, "claims": claim_rows(root), "decisions": decisions(root),
             "problems": [str(p) for p in claims.check_docs(root)], "next_steps": next_steps(root)}
 
 
@@ -158,8 +174,10 @@ def build_context(root: Path | str, budget: int = 2000) -> str:
             "Before trusting a number: `runbook show NAME`, `runbook env`, `runbook verify NAME`. "
             "Start with AGENTS.md and docs/index.md.\n")
     sections = [
+        Section("Headlines (headlines.yaml: against their best and goal)", headline_lines(root), "docs/status.md",
+                0.15),
         Section("Numbers (runbook @ profile [verdict]: headline metrics)", number_lines(root), "`runbook show NAME`",
-                0.55),
+                0.4),
         # decisions before problems: a checkout whose records are stale has many problem lines
         Section("Open decisions", decision_lines(root), "docs/decisions.md", 0.2),
         Section("Docs problems", problem_lines(root), "`runbook verify --docs`", 0.15),
