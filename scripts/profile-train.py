@@ -29,7 +29,7 @@ from engine.loading import random_model  # noqa: E402
 from engine.timing import sync  # noqa: E402
 from engine.train import loop  # noqa: E402
 from engine.train.drafter import target_outputs, ttt_loss  # noqa: E402
-from engine.train.presets import FAMILIES, PRESETS, Preset, get_preset, target_config  # noqa: E402
+from engine.train.presets import FAMILIES, Preset, get_preset, names, target_config  # noqa: E402
 from engine.train.target import autocast, lm_loss, make_optimizer  # noqa: E402
 
 Step = Callable[[], None]
@@ -111,7 +111,7 @@ def top_ops(step: Step, dev: torch.device, steps: int, rows: int) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="gpu", help="training preset (default: gpu)")
+    p.add_argument("--preset", choices=names(), default="gpu", help="training preset (default: gpu)")
     p.add_argument("--family", choices=FAMILIES, default="llama", help="target family (default: llama)")
     p.add_argument("--what", choices=("target", "drafter", "both"), default="both")
     p.add_argument("--device", default=None, help="default: cuda when there is one, else cpu")

@@ -118,8 +118,24 @@ def _locals(node: ast.AST) -> set[str]:
     return out - declared
 
 
-def _refs(node: ast.AST) -> set[str]:
-    out = set()
+def _root_name(node: ast.AST) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _external_strings(node: ast.AST, external: frozenset[str]) -> set[int]:
+    """ids of the string constants passed straight to a library's function (`tl.atomic_add(..., scope="gpu")`): a
+    library cannot call back into the package by a name, so they name no definition of it."""
+    skip = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call) and _root_name(n.func) in external:
+            skip.update(id(a) for a in (*n.args, *(k.value for k in n.keywords)) if isinstance(a, ast.Constant))
+    return skip
+
+
+def _refs(node: ast.AST, external: frozenset[str] = frozenset()) -> set[str]:
+    out, skip = set(), _external_strings(node, external)
     for n in ast.walk(node):
         if isinstance(n, ast.Name):
             out.add(n.id)
@@ -127,7 +143,7 @@ def _refs(node: ast.AST) -> set[str]:
             out.add(n.attr)
         elif isinstance(n, ast.alias):
             out.update({n.name.split(".")[-1], n.asname or ""})
-        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.isidentifier():
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.isidentifier() and id(n) not in skip:
             out.add(n.value)
     return out - _locals(node) - {""}
 
@@ -164,11 +180,15 @@ def _digest(node: ast.AST) -> str:
 def parse_module(name: str, path: str, text: str, is_package: bool) -> Module:
     tree = _strip_docstrings(ast.parse(text))
     units, star = [], set()
+    package = name.split(".")[0]
+    external = frozenset(n for node in _top_level(tree.body) if isinstance(node, (ast.Import, ast.ImportFrom))
+                         and not any(m.split(".")[0] == package for m in imported(node, name, is_package))
+                         for n in _bound(node))
     for node in _top_level(tree.body):
         bound = _bound(node)
         label = next(iter(sorted(bound))) if len(bound) == 1 else (
             ", ".join(sorted(bound)) if bound else f"line {getattr(node, 'lineno', '?')}")
-        units.append(Unit(name, frozenset(bound), label, _digest(node), frozenset(_refs(node)),
+        units.append(Unit(name, frozenset(bound), label, _digest(node), frozenset(_refs(node, external)),
                           frozenset(imported(node, name, is_package))))
         if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
             star.add(_resolve(name, is_package, node) or "")

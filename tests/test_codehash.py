@@ -188,3 +188,17 @@ def test_status_names_the_file_and_definition_that_changed(tmp_path):
     assert verify.why_stale(root, t2, run) == "engine (mylib/kernels.py: BLOCK) changed"
     run["provenance"]["git_commit"] = "0" * 40  # not in this clone: where cannot be said, that it changed can
     assert verify.why_stale(root, t2, run) == "engine changed"
+
+
+def test_on_the_engine_the_gpu_preset_is_outside_every_cpu_record(tmp_path):
+    """Presets are looked up by name: changing the gpu one stales the runbooks run with it, and no cpu one."""
+    root = _engine_copy(tmp_path)
+    before = _hashes(root)
+    presets = root / "engine" / "train" / "presets.py"
+    text = presets.read_text()
+    assert 'name="gpu"' in text
+    presets.write_text(text.replace("tokenizer_bytes=10_000_000", "tokenizer_bytes=9_000_000"))
+    after = _hashes(root)
+    changed = {k for k in before if after[k] != before[k]}
+    assert changed and all(k.split("/")[1].split(".")[0] in ("h200", "h100") for k in changed), changed
+    assert {f"{rb}/h200" for rb in ("train-target", "train-drafter", "finetune-drafter", "scale-data")} <= changed

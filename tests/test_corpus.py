@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from corpus_testing import make_archives, modules, sha256, write_lock, write_sdist, write_wheel
 from engine.errors import EngineError
 from engine.train import corpus
-from engine.train.presets import PRESETS
+from engine.train.presets import get_preset, names
 
 # The manifest of the archives pinned in engine/train/corpus.lock.toml, as recorded when they were pinned: it must
 # come out the same on every machine and Python (3.10-3.12). A new pin or a new scanning rule changes it on purpose.
@@ -241,11 +241,11 @@ def test_presets_fit_in_the_pinned_corpus(real):
     """Every run of every preset gets the bytes it asks for: select() would shrink a mix that the corpus cannot fill,
     and the run would silently train on less."""
     _, files = real
-    for preset in PRESETS.values():
+    for preset in map(get_preset, names()):
         for run in (preset.target_a, preset.target_b, preset.drafter, preset.finetune):
             got = sum(f.size for f in corpus.select(run.mix, "train", run.data_bytes, files))
             assert got >= 0.99 * run.data_bytes, (preset.name, run)
         for mix in "AB":
             got = sum(f.size for f in corpus.select(mix, "train", preset.tokenizer_bytes // 2, files))
             assert got >= 0.99 * preset.tokenizer_bytes // 2, (preset.name, mix)
-    assert len(corpus.prompts(PRESETS["gpu"].eval_prompts, PRESETS["gpu"].prompt_chars, files=files)) == 16
+    assert len(corpus.prompts(get_preset("gpu").eval_prompts, get_preset("gpu").prompt_chars, files=files)) == 16

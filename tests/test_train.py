@@ -25,7 +25,7 @@ from engine.errors import EngineError
 from engine.loading import load_model, random_model
 from engine.train import corpus, loop
 from engine.train import drafter as D
-from engine.train.presets import CPU, DrafterRun, TargetRun, target_config, with_overrides
+from engine.train.presets import DrafterRun, TargetRun, target_config, with_overrides, get_preset
 from engine.train.layout import DrafterOutputs, TargetOutputs, trained_pair_dirs
 from engine.train.target import train_target, train_targets
 from engine.train.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
@@ -53,7 +53,7 @@ def world(tmp_path_factory):
 
 
 def tiny_config(vocab: int, family: str = "llama") -> ModelConfig:
-    preset = dataclasses.replace(CPU, model=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    preset = dataclasses.replace(get_preset("cpu"), model=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                                  num_attention_heads=4, num_key_value_heads=2,
                                                  max_position_embeddings=256, rope_theta=10000.0))
     return target_config(preset, family, vocab_size=vocab)
@@ -93,7 +93,7 @@ def test_target_training_lowers_loss_and_saves_an_engine_and_hf_checkpoint(world
 
 def test_train_targets_writes_the_layout_that_downstream_runbooks_read(world, tmp_path):
     """The runbooks after train-target find its models through TargetOutputs only."""
-    preset = dataclasses.replace(CPU, vocab_size=300, tokenizer_bytes=10**6, model=dict(
+    preset = dataclasses.replace(get_preset("cpu"), vocab_size=300, tokenizer_bytes=10**6, model=dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=256, rope_theta=10000.0))
     run = TargetRun(mix="A", steps=2, lr=1e-2, warmup=1, batch_size=2, seq_len=16, data_bytes=10**9)

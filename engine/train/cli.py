@@ -7,7 +7,7 @@ import json
 import click
 
 from engine.train.corpus import MIXES
-from engine.train.presets import FAMILIES, PRESETS
+from engine.train.presets import FAMILIES, names
 
 STEPS = click.IntRange(min=1)
 
@@ -18,7 +18,7 @@ def train_command() -> None:
 
 
 def preset_option(f):
-    return click.option("--preset", default="cpu", show_default=True, type=click.Choice(list(PRESETS)),
+    return click.option("--preset", default="cpu", show_default=True, type=click.Choice(names()),
                         help="Training preset: cpu (minutes on 2 cores) or gpu (one H200).")(f)
 
 

@@ -75,7 +75,7 @@ class Preset:
     dtype: str = "float32"  # dtype of the saved checkpoints (training keeps fp32 weights)
 
 
-CPU = Preset(
+cpu = Preset(
     name="cpu",
     vocab_size=4096,
     tokenizer_bytes=4_000_000,
@@ -91,7 +91,7 @@ CPU = Preset(
     eval_prompts=8, prompt_chars=600, max_new_tokens=48,
 )
 
-GPU = Preset(  # sized so that every h200 runbook, trained with deterministic kernels, re-runs in minutes on one H200
+gpu = Preset(  # sized so that every h200 runbook, trained with deterministic kernels, re-runs in minutes on one H200
     # (`runbook verify --profile h200`): ~169M parameters, 512-token sequences; data_bytes stays within what the pinned
     # corpus holds per mix (`python -m engine train corpus`)
     name="gpu",
@@ -103,22 +103,29 @@ GPU = Preset(  # sized so that every h200 runbook, trained with deterministic ke
                        data_bytes=16_000_000, ckpt_every=125, eval_every=125, eval_batches=8),
     target_b=TargetRun(mix="B", steps=80, lr=5e-4, warmup=8, batch_size=32, seq_len=512,
                        data_bytes=16_000_000, ckpt_every=80, eval_every=80, eval_batches=8, seed=1),
-    drafter=DrafterRun(mix="A", steps=400, lr=1e-3, warmup=30, batch_size=8, seq_len=512,
-                       data_bytes=8_000_000, draft_vocab_size=8192, samples=2048, regen_tokens=128,
-                       regen_batch=512, ckpt_every=200),
+    # the drafter learns from answers as long as the ones it is measured on (baseline-eagle3 and the accept-length
+    # evals generate 256 tokens): with 128-token answers it drafted well for 128 tokens and worse after them
+    drafter=DrafterRun(mix="A", steps=500, lr=1e-3, warmup=30, batch_size=8, seq_len=512,
+                       data_bytes=8_000_000, draft_vocab_size=8192, samples=4096, regen_tokens=256,
+                       regen_batch=512, ckpt_every=250),
     finetune=DrafterRun(mix="B", steps=150, lr=3e-4, warmup=15, batch_size=8, seq_len=512,
-                        data_bytes=4_000_000, draft_vocab_size=8192, samples=1024, regen_tokens=128,
+                        data_bytes=4_000_000, draft_vocab_size=8192, samples=1024, regen_tokens=256,
                         regen_batch=512, ckpt_every=150, seed=1),
-    eval_prompts=16, prompt_chars=1200, max_new_tokens=128, device="cuda", dtype="bfloat16",
+    eval_prompts=16, prompt_chars=1200, max_new_tokens=256, device="cuda", dtype="bfloat16",
 )
 
-PRESETS = {"cpu": CPU, "gpu": GPU}
+def names() -> list[str]:
+    """The presets defined here (module-level Preset values named as they are called)."""
+    return sorted(n for n, v in globals().items() if isinstance(v, Preset) and v.name == n)
 
 
 def get_preset(name: str) -> Preset:
-    if name not in PRESETS:
-        raise EngineError(f"unknown training preset {name!r}; known: {', '.join(PRESETS)}")
-    return PRESETS[name]
+    """A preset by name. Looked up by name, not through a table of all presets: a record's fingerprint then covers
+    the preset its run names and no other (specbook/codehash.py), so changing the gpu preset stales no cpu record."""
+    preset = globals().get(name) if isinstance(name, str) else None
+    if not isinstance(preset, Preset) or preset.name != name:
+        raise EngineError(f"unknown training preset {name!r}; known: {', '.join(names())}")
+    return preset
 
 
 def with_overrides(run: TargetRun | DrafterRun, **overrides: Any) -> TargetRun | DrafterRun:
