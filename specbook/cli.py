@@ -243,6 +243,8 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, recor
     if not provenance.runs_here(profile, here):
         raise SpecbookError(f"cannot measure profile {profile} on this machine (it is {here}); "
                             f"`runbook verify --profile {profile}` reports its records")
+    if record_:
+        provenance.git_commit(root)  # a bad SPECBOOK_GIT_COMMIT is refused before anything runs, not after
     t = target(root, name, profile, overrides)
     _log("will run: " + ", ".join(_plan(t, force)) + ("" if record_ else
                                                       " (measure only; --record writes baselines/ and docs/)"))
@@ -298,6 +300,7 @@ def record_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profiles: tupl
         check_profile(root, p)
         if not provenance.runs_here(p, here):
             raise SpecbookError(f"cannot measure profile {p} on this machine (it is {here})")
+    provenance.git_commit(root)  # a bad SPECBOOK_GIT_COMMIT is refused before anything runs
     todo = [j for p in profiles or (here,) for j in jobs(root, p, list(names) or None)]
     _log("will record: " + ", ".join(j.key for j in todo))
     done = record_all(root, todo, _gpu_ids(gpus), log=_log, progress=not as_json)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import math
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from specbook.record import DIRECTIONS, KINDS, Metric
 
 BASELINES = "baselines"
 SOURCES = ("measured", "reported")
+COMMIT = re.compile(r"[0-9a-f]{4,40}")  # what a record may name as its commit: a commit id, full or abbreviated
 LOCK_TIMEOUT_S = 120.0
 # libyaml when present: record files grow with every run and history entry
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -185,6 +187,9 @@ def _check_run(run: Any, where: str, bad) -> None:
         raise bad(where, f"date {run.get('date')!r} is not an ISO date like 2026-11-29T14:40:00Z") from None
     if not isinstance(run.get("provenance"), dict):
         raise bad(where, "needs a provenance mapping")
+    commit = run["provenance"].get("git_commit")
+    if commit is not None and not (isinstance(commit, str) and COMMIT.fullmatch(commit)):
+        raise bad(f"{where}.provenance.git_commit", f"must be a commit id (hex digits) or null, not {commit!r}")
     if "seconds" in run and not (_is_number(run["seconds"]) and run["seconds"] >= 0):
         raise bad(where, f"seconds must be a number of seconds, not {run['seconds']!r}")
     if run["source"] == "measured" and not (isinstance(run.get("inputs_hash"), str)

@@ -625,10 +625,13 @@ def _rejudge(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None
         v.state, v.change = DRIFTED, vote
 
 
-def baseline_tree(root: Path, commit: str | None) -> Path | None:
-    """The repository at `commit`, extracted once under .specbook/ab/ (its outputs shared with this tree's, so
-    dependencies whose inputs are unchanged are not rebuilt); None without git or that commit."""
-    if not commit:
+def baseline_tree(root: Path, recorded: Any) -> Path | None:
+    """The repository at the commit a record names, extracted once under .specbook/ab/ (its outputs shared with this
+    tree's, so dependencies whose inputs are unchanged are not rebuilt); None without git or that commit. The
+    record's value is used only once git has verified it as a full commit id (provenance.verified_commit): a record
+    field never reaches git as an option nor a path as anything but hex digits."""
+    commit = provenance.verified_commit(root, recorded)
+    if commit is None:
         return None
     dest = root / ".specbook" / "ab" / commit[:12]
     if (dest / "runbooks").is_dir():
@@ -636,7 +639,8 @@ def baseline_tree(root: Path, commit: str | None) -> Path | None:
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    archive = subprocess.run(["git", "archive", "--format=tar", commit], cwd=root, capture_output=True)
+    archive = subprocess.run(["git", "archive", "--format=tar", "--end-of-options", commit], cwd=root,
+                             capture_output=True)
     if archive.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         return None

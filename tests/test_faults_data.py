@@ -37,7 +37,7 @@ def _runbook_cmd(root: Path, *args: str, **kwargs) -> subprocess.Popen:
 def _run(i: int) -> dict:
     date = f"2026-11-29T14:00:{i:02d}Z"
     return {"id": f"run-{i}", "date": date, "source": "measured", "inputs_hash": "h", "parameters": {},
-            "provenance": {"git_commit": "c"}}
+            "provenance": {"git_commit": "c0ffee0"}}
 
 
 def _write_record(root: Path, name: str, value: float = 1.0) -> None:

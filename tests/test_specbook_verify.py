@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from specbook import provenance, records
 from specbook import verify as verify_module
@@ -423,3 +424,47 @@ def test_verify_re_measures_a_dependency_once_before_its_dependents(tmp_path):
     assert (root / "z.count").read_text() == "x" and (root / "a.count").read_text() == "x"
     ran = [m for m in logged if m.startswith("running ")]
     assert [m.split()[1] for m in ran] == ["z", "a"]
+
+
+def committed_repo(root: Path) -> str:
+    """`root` (a make_repo) as a git repository with one commit; returns the commit."""
+    (root / ".gitignore").write_text(".specbook/\n")
+    git(root, "init", "-q")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "x")
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.parametrize("recorded", ["--output=NOTES.md", "../../../vic", "HEAD", "HEAD~0", "0" * 40, "-h",
+                                      None, 40])
+def test_the_recorded_commits_tree_is_taken_only_for_a_commit_git_verifies(tmp_path, recorded):
+    """A record's git_commit is an input: `--output=NOTES.md` once reached `git archive` as an option (truncating a
+    file) and `../../../vic` became a path whose `.tmp` sibling outside the repository was deleted."""
+    root = make_repo(tmp_path / "repo", a=runbook_text())
+    (root / "NOTES.md").write_text("notes\n")
+    head = committed_repo(root)
+    outside = tmp_path / "vic.tmp"
+    outside.mkdir()
+    (outside / "keep").write_text("keep\n")
+    assert verify_module.baseline_tree(root, recorded) is None
+    assert (root / "NOTES.md").read_text() == "notes\n" and (outside / "keep").read_text() == "keep\n"
+    assert not (root / ".specbook" / "ab").exists() and not (tmp_path / "vic").exists()
+    assert verify_module.baseline_tree(root, head) == root / ".specbook" / "ab" / head[:12]
+
+
+def test_a_record_naming_no_commit_is_refused_by_name(tmp_path):
+    """The same record through the command: one line naming the file and the field, exit 2, nothing touched."""
+    root = make_repo(tmp_path / "repo", a=runbook_text(), b=runbook_text())
+    (root / "NOTES.md").write_text("notes\n")
+    committed_repo(root)
+    _record_current(root, "a")
+    _record_current(root, "b")
+    data = baseline(root, "a")
+    data["profiles"]["cpu"]["runs"][0]["provenance"]["git_commit"] = "--output=NOTES.md"
+    (root / "baselines" / "a.yaml").write_text(yaml.safe_dump(data))
+    r = cli(root, "verify", "a")
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
+    assert "baselines/a.yaml: profiles.cpu.runs[0].provenance.git_commit: must be a commit id" in r.stderr
+    assert (root / "NOTES.md").read_text() == "notes\n"
+    listed = cli(root, "list")
+    assert listed.exit_code == 2 and "cpu: current" in listed.stdout  # b is still shown
