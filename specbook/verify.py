@@ -26,6 +26,7 @@ import shutil
 import statistics
 import subprocess
 import tarfile
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -636,21 +637,28 @@ def baseline_tree(root: Path, recorded: Any) -> Path | None:
     dest = root / ".specbook" / "ab" / commit[:12]
     if (dest / "runbooks").is_dir():
         return dest
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    archive = subprocess.run(["git", "archive", "--format=tar", "--end-of-options", commit], cwd=root,
-                             capture_output=True)
-    if archive.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        return None
-    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(tmp, filter="data")
-    (tmp / ".specbook").mkdir()
+    dest.parent.mkdir(parents=True, exist_ok=True)
     (root / ".specbook" / "outputs").mkdir(parents=True, exist_ok=True)
-    (tmp / ".specbook" / "outputs").symlink_to((root / ".specbook" / "outputs").resolve())
-    tmp.rename(dest)
-    return dest
+    # extracted into a directory of this process's own, then moved into place in one step: two verifies at once
+    # each extract their copy, one rename wins and the other's copy goes
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    try:
+        archive = subprocess.run(["git", "archive", "--format=tar", "--end-of-options", commit], cwd=root,
+                                 capture_output=True)
+        if archive.returncode != 0:
+            return None
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(tmp, filter="data")
+        (tmp / ".specbook").mkdir()
+        (tmp / ".specbook" / "outputs").symlink_to((root / ".specbook" / "outputs").resolve())
+        try:
+            tmp.rename(dest)
+        except OSError:  # another process's copy is in place (ENOTEMPTY, EEXIST)
+            if not (dest / "runbooks").is_dir():
+                raise
+        return dest
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _failed(v: Verdict, detail: str) -> Verdict:

@@ -3,6 +3,8 @@
 import datetime as dt
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -468,3 +470,30 @@ def test_a_record_naming_no_commit_is_refused_by_name(tmp_path):
     assert (root / "NOTES.md").read_text() == "notes\n"
     listed = cli(root, "list")
     assert listed.exit_code == 2 and "cpu: current" in listed.stdout  # b is still shown
+
+
+EXTRACT = """
+import sys, time
+from pathlib import Path
+from specbook.verify import baseline_tree
+root, commit, start = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+time.sleep(max(0.0, start - time.time()))  # every process extracts at the same moment
+print(baseline_tree(root, commit))
+"""
+
+
+def test_verifies_at_once_extract_the_recorded_commit_once_and_leave_nothing_behind(tmp_path):
+    """Two verifies that need the recorded commit's tree at once once failed (`Directory not empty`,
+    `FileExistsError`) and left a `.tmp` directory."""
+    root = make_repo(tmp_path, a=runbook_text())
+    for i in range(300):  # enough files that the extractions overlap
+        (root / "runbooks" / f"data{i}.txt").write_text("x" * 1000)
+    head = committed_repo(root)
+    start = time.time() + 8  # after every process has imported specbook
+    procs = [subprocess.Popen([sys.executable, "-c", EXTRACT, str(root), head, str(start)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    dest = root / ".specbook" / "ab" / head[:12]
+    assert [(p.returncode, out.strip()) for p, (out, _) in zip(procs, outs)] == [(0, str(dest))] * 4, outs
+    assert sorted(p.name for p in dest.parent.iterdir()) == [dest.name]  # no temporary directory left
+    assert len(list((dest / "runbooks").glob("data*.txt"))) == 300
