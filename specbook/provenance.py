@@ -200,6 +200,18 @@ def verified_commit(root: Path, value: Any) -> str | None:
     return value if resolved == value else None
 
 
+def why_no_commit(root: Path, value: Any) -> str:
+    """Why the commit a record names cannot be had here, in words (verified_commit gave None)."""
+    if _git(root, "rev-parse", "--git-dir") is None:
+        return "this checkout is not a git repository"
+    if not isinstance(value, str) or not FULL_COMMIT.fullmatch(value):
+        return f"the record names {value!r}, not a full commit id"
+    if _git(root, "rev-parse", "--is-shallow-repository") == "true":
+        return (f"the recorded commit {value[:10]} is missing from this shallow clone (`git fetch --unshallow` "
+                "fetches the history)")
+    return f"the recorded commit {value[:10]} is not in this repository (`git fetch` may bring it)"
+
+
 def _git_state(root: Path) -> tuple[str | None, bool]:
     """Commit and dirty flag. A copy of the working tree sent to another machine (a lent GPU) names them in
     SPECBOOK_GIT_COMMIT / SPECBOOK_GIT_DIRTY: the sender knows what it sent, while a .git that came along may be of

@@ -497,3 +497,20 @@ def test_verifies_at_once_extract_the_recorded_commit_once_and_leave_nothing_beh
     assert [(p.returncode, out.strip()) for p, (out, _) in zip(procs, outs)] == [(0, str(dest))] * 4, outs
     assert sorted(p.name for p in dest.parent.iterdir()) == [dest.name]  # no temporary directory left
     assert len(list((dest / "runbooks").glob("data*.txt"))) == 300
+
+
+def test_in_a_shallow_clone_the_verdict_says_the_recorded_commit_is_missing(tmp_path, monkeypatch):
+    """`git clone --depth 1` has no recorded commit to compare with: the verdict is then against the record alone,
+    which the detail says, with what would bring the commit."""
+    root = recorded_in_git(tmp_path / "repo", "speed", SPEED_RUNBOOK, "MS = 1.0\n")
+    (root / "engine" / "speed.py").write_text("MS = 1.0  # refactored\n")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "refactor")
+    git(tmp_path, "clone", "-q", "--depth", "1", f"file://{root}", "clone")
+    monkeypatch.setattr(verify_module, "side_by_side_here", lambda: False)
+    logged = []
+    [v] = verify(tmp_path / "clone", "cpu", progress=False, log=logged.append)
+    assert v.state == FRESH
+    assert "is missing from this shallow clone (`git fetch --unshallow` fetches the history)" in v.detail, v.detail
+    assert "judged against the record alone" in v.detail and not any("interleaved" in m for m in logged)
+
