@@ -648,6 +648,10 @@ def recorded_tree(root: Path, t: Target, run: dict[str, Any]) -> tuple[Path | No
         ta = target(a_root, t.rb.name, t.profile)
     except SpecbookError as e:
         return None, None, f"the recorded commit {commit[:10]} cannot run it ({e})"
+    if differs := changed_inputs(ta, run):
+        dirty = "; it was recorded with uncommitted changes (git_dirty)" if p.get("git_dirty") else ""
+        return None, None, (f"the recorded commit {commit[:10]}'s tree does not reproduce the record's "
+                            f"{', '.join(differs)} hash{dirty}")
     return a_root, ta, ""
 
 

@@ -514,3 +514,21 @@ def test_in_a_shallow_clone_the_verdict_says_the_recorded_commit_is_missing(tmp_
     assert "is missing from this shallow clone (`git fetch --unshallow` fetches the history)" in v.detail, v.detail
     assert "judged against the record alone" in v.detail and not any("interleaved" in m for m in logged)
 
+
+def test_a_record_made_with_uncommitted_changes_is_not_judged_against_its_clean_commit(tmp_path, monkeypatch):
+    """Recorded with the engine slowed down but not committed (git_dirty): the commit's tree runs the faster engine,
+    and against it an unchanged measurement read "drifted (regression)"."""
+    root = make_repo(tmp_path, speed=SPEED_RUNBOOK)
+    (root / "engine").mkdir()
+    (root / "engine" / "speed.py").write_text("MS = 1.0\n")
+    committed_repo(root)
+    (root / "engine" / "speed.py").write_text("MS = 2.0\n")  # measured, never committed
+    assert cli(root, "run", "speed", "--record").exit_code == 0
+    assert baseline(root, "speed")["profiles"]["cpu"]["runs"][0]["provenance"]["git_dirty"] is True
+    (root / "engine" / "speed.py").write_text("MS = 2.0  # refactored\n")
+    monkeypatch.setattr(verify_module, "side_by_side_here", lambda: False)
+    logged = []
+    [v] = verify(root, "cpu", progress=False, log=logged.append)
+    assert (v.state, v.change) == (FRESH, None), v.detail
+    assert "tree does not reproduce the record's engine hash; it was recorded with uncommitted changes" in v.detail
+    assert not any("interleaved" in m for m in logged), logged
