@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from jupyter_core.utils import ensure_event_loop
 
 from specbook import fsutil, provenance, records
@@ -128,6 +129,47 @@ def test_one_malformed_record_does_not_hide_the_others(tmp_path, cpu_machine):
     assert "good @ cpu" in r.stdout
 
     assert cli(root, "status", "good").exit_code == 1  # stale; the broken file is not asked about
+
+
+def _big_value(d: dict) -> None:
+    d["profiles"]["cpu"]["metrics"]["x"]["value"] = 10 ** 400
+
+
+def _int_profile(d: dict) -> None:
+    d["profiles"][1] = d["profiles"].pop("cpu")
+
+
+def _gpu_count(d: dict) -> None:
+    d["profiles"]["cpu"]["runs"][0]["provenance"]["gpu"] = {"count": "x"}
+
+
+def _versions_list(d: dict) -> None:
+    d["profiles"]["cpu"]["runs"][0]["provenance"]["versions"] = ["x"]
+
+
+@pytest.mark.parametrize("edit, field", [
+    (_big_value, "profiles.cpu.metrics.x: needs a numeric value"),
+    (_int_profile, "profiles.1: a profile name must be a string"),
+    (_gpu_count, "profiles.cpu.runs[0].provenance.gpu.count: must be a count (a whole number >= 0), not 'x'"),
+    (_versions_list, "profiles.cpu.runs[0].provenance.versions: must be a mapping with string keys, not ['x']"),
+])
+def test_a_hand_edited_field_of_the_wrong_type_is_named_and_hides_nothing(tmp_path, cpu_machine, edit, field):
+    """Each of these once crashed every command (exit 3; `list` printed nothing)."""
+    root = make_repo(tmp_path, good=runbook_text(), bad=runbook_text())
+    _write_record(root, "good", 7.0)
+    _write_record(root, "bad")
+    data = baseline(root, "bad")
+    edit(data)
+    (root / "baselines" / "bad.yaml").write_text(yaml.safe_dump(data))
+    for args in (("list",), ("status",), ("context",), ("show", "good")):
+        r = cli(root, *args)
+        if args[0] == "show":
+            assert r.exit_code == 0 and "good" in r.stdout, r.output
+            continue
+        _one_line(r, 2, "bad.yaml", field)
+        assert "good" in r.stdout, (args, r.stdout)
+    _one_line(cli(root, "show", "bad"), 2, "bad.yaml", field)
+    _one_line(cli(root, "verify", "bad"), 2, "bad.yaml", field)
 
 
 def test_exit_code_epilog_names_malformed_records():
