@@ -15,6 +15,7 @@ from specbook import SpecbookError, execute, parallel, provenance, records
 from specbook.execute import Target, target
 from specbook.execute import run as run_target
 from specbook.runbooks import check_name, check_profile, discover, find_root, load, parse_cli
+from specbook.text import one_line
 from specbook.verify import (FAILED, FAILING, INVALID, STALE, STATES, Verdict, age, drift, exit_code, plan,
                              recorded_here, status, verify)
 
@@ -147,7 +148,7 @@ def _num(x: float | None) -> str:
 
 
 def _table(headers: list[str], rows: list[list[Any]]) -> str:
-    cells = [[str(c) for c in r] for r in [headers, *rows]]
+    cells = [[one_line(c) for c in r] for r in [headers, *rows]]  # a record's text stays in its cell
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
@@ -571,7 +572,7 @@ def show(obj: Ctx, name: str, as_json: bool) -> None:
             rows.append([pname, mname, _num(m["value"]), m["unit"], m["direction"],
                          f"rel {tol.get('rel', 0):g} abs {tol.get('abs', 0):g}", len(m.get("history", [])),
                          r["source"], age(r["date"]), m["run"]])
-        runs += [_run_line(pname, r) for r in prof["runs"]]
+        runs += [one_line(_run_line(pname, r)) for r in prof["runs"]]
     text = f"{name}: {path.relative_to(root)}\n" + (_table(
         ["profile", "metric", "value", "unit", "direction", "tolerance", "history", "source", "age", "run"], rows)
         if rows else "no records") + "".join(f"\n{line}" for line in runs)
