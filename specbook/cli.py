@@ -513,21 +513,24 @@ def _check_docs(root: Path) -> list:
 
 
 @main.command("site")
-@click.option("--check", is_flag=True, help="Write nothing; exit 1 when a generated file is out of date.")
+@click.option("--check", is_flag=True, help="Write nothing and fetch nothing; exit 1 when a generated file is out "
+              "of date, 3 when an input cannot be hashed here without fetching it (unknown here).")
 @click.pass_obj
 @click.pass_context
 def site_(ctx: click.Context, obj: Ctx, check: bool) -> None:
     """Bring what is generated from the records up to date: claim literals in docs/ and README.md, docs/status.md
     (every documented number with its state), docs/llms.txt and docs/llms-full.txt (the docs for agents). `runbook
     run --record` does this too; after copying records made elsewhere (a GPU machine), run it and commit."""
-    from specbook import claims, site
+    from specbook import claims, project, site
 
     root = obj.root
     if check:
-        stale = site.out_of_date(root)
+        with project.offline():  # documented to write nothing: no download into a cache either
+            stale = site.out_of_date(root)
         for p in stale:
             click.echo(f"{p.relative_to(root)}: out of date; run `runbook site`")
         ctx.exit(1 if stale else 0)
+    site.check_inputs_here(root)  # before anything is written
     with records.docs_lock(root):
         changed = [*claims.refresh_docs(root), *site.write_generated(root)]
     click.echo("\n".join(f"wrote {Path(p).relative_to(root)}" for p in changed) or "generated files are up to date")

@@ -7,6 +7,7 @@ mkdocs.yml names this file under `hooks:`, so `mkdocs build` adds, without writi
 """
 from __future__ import annotations
 
+import contextlib
 import html
 import io
 import os
@@ -14,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specbook import claims, records, verify
+from specbook import RunFailed, SpecbookError, claims, provenance, records, runbooks, verify
 from specbook.execute import EXECUTED
 from specbook.fsutil import atomic_write
 from specbook.text import md_cell, one_line
@@ -234,10 +235,31 @@ def llms_full_txt(root: Path | str) -> str:
 STATUS_PAGE = Path("docs") / "status.md"
 
 
+class UnknownHere(RunFailed):
+    """An input the records are hashed against cannot be hashed on this machine (missing and not to be fetched, or
+    damaged): the committed pages would record this machine's problem, so none is written or checked here."""
+
+
+def check_inputs_here(root: Path) -> None:
+    """Raise UnknownHere unless every input the runbooks declare hashes here (project.offline: without fetching)."""
+    declared = set()
+    for name in runbooks.discover(root):
+        with contextlib.suppress(SpecbookError):  # a broken runbook is reported as failed, the same everywhere
+            declared.update(runbooks.load(root, name).inputs)
+    for name in sorted(declared):
+        try:
+            provenance.input_fingerprint(root, name)
+        except RunFailed as e:
+            raise UnknownHere(f"{STATUS_PAGE} not written nor checked: {e} (unknown here: a problem of this machine, "
+                              "not of the records; the committed page keeps what the records say)") from None
+
+
 def status_page(root: Path | str) -> str:
     """docs/status.md: every number the docs and README quote, with its value, state from input hashes (the same
-    on every machine: nothing runs), and the run that measured it. Generated; CI fails when it is out of date."""
+    on every machine: nothing runs), and the run that measured it. Generated; CI fails when it is out of date. An
+    input that cannot be hashed here fails it (check_inputs_here) rather than reading "failed" in the page."""
     root = Path(root)
+    check_inputs_here(root)
     index = verify.index(root, here="-")  # "-": no machine's view; where a number can be re-measured is a column
     rows, newest, cache = [], "", {}
     for path in [*claims.doc_files(root), *claims.extra_files(root)]:

@@ -432,3 +432,50 @@ def test_unknown_profiles_name_the_known_ones(tmp_path, args, cpu_machine):
     root = make_repo(tmp_path, bench=runbook_text(profiles="{cpu: {}, cpu.dsv3: {}}"))
     records.add_run(root, "bench", "h200", _run(0), [make_metric("x", 1.0, unit="u")])
     _one_line(cli(root, *args), 2, f"unknown profile '{args[-1]}'; known profiles: cpu, cpu.dsv3, h200")
+
+
+# ------------------------------------------------------------------------------- an input that cannot be hashed here
+
+def _corpus_repo(tmp_path: Path, monkeypatch, archives: str) -> Path:
+    """A repository whose runbook declares the real corpus input, its record claimed in docs, and a corpus
+    directory of this machine holding `archives`: "corrupt" (every pinned archive, damaged) or "none"."""
+    from engine.train import corpus
+
+    root = make_repo(tmp_path / "repo", a=runbook_text(extra_header="inputs: [corpus]"))
+    with open(root / "pyproject.toml", "a") as f:
+        f.write('\n[tool.specbook.inputs]\ncorpus = "engine.train.corpus:manifest_hash"\n')
+    _write_record(root, "a")
+    (root / "docs").mkdir()
+    (root / "docs" / "p.md").write_text("---\ntitle: P\nstatus: current\nupdated: 2026-12-01\nrunbooks: []\n"
+                                        "records: []\n---\n\nx is <!-- claim: a/cpu/x fmt=.1f -->1.0<!-- /claim --> u\n")
+    (root / "docs" / "status.md").write_text("committed\n")
+    here = tmp_path / "corpus"
+    here.mkdir()
+    if archives == "corrupt":
+        for pin in corpus.pins():
+            (here / pin.filename).write_bytes(b"not the archive")
+    monkeypatch.setenv(corpus.DIR_ENV, str(here))
+    corpus.scan.cache_clear()  # this process may have scanned the real corpus (a failed scan is not cached)
+    return root
+
+
+def test_a_damaged_local_corpus_is_never_written_into_the_committed_status_page(tmp_path, monkeypatch, cpu_machine):
+    """It once made `runbook site` write "failed" for every number into docs/status.md: a problem of this machine,
+    not of the records."""
+    root = _corpus_repo(tmp_path, monkeypatch, "corrupt")
+    r = cli(root, "site")
+    _one_line(r, 3, "input corpus unavailable", "does not match its pinned sha256", "unknown here")
+    assert (root / "docs" / "status.md").read_text() == "committed\n"
+    assert not (root / "docs" / "llms.txt").exists()
+
+
+def test_site_check_fetches_nothing(tmp_path, monkeypatch, cpu_machine):
+    """`site --check` is documented to write nothing; it once downloaded the corpus (21 MB) to hash it."""
+    from engine.train import corpus
+
+    root = _corpus_repo(tmp_path, monkeypatch, "none")
+    fetched = []
+    monkeypatch.setattr(corpus, "_pip_download", lambda batch, dest: fetched.append(batch))
+    r = cli(root, "site", "--check")
+    _one_line(r, 3, "not in", "SPECBOOK_OFFLINE forbids fetching them", "unknown here")
+    assert fetched == [] and list((tmp_path / "corpus").iterdir()) == []
