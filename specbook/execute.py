@@ -4,7 +4,8 @@ dependencies, whose outputs are cached under a hash of their inputs.
 
 Concurrent runs: a target runs under a file lock on its outputs directory, so a dependency two runs both need is
 built once (the other run waits, then finds it DONE); outputs are built in place (a killed training run resumes from
-its checkpoints there) and count only once DONE is written. Kernels listen on Unix sockets in a private directory,
+its checkpoints there) and count only once DONE is written. A run reads its dependencies' outputs under a shared
+lock and a build holds its own exclusively, so a dependency is never rebuilt under a run that reads it. Kernels listen on Unix sockets in a private directory,
 not on TCP ports that concurrent starts could race for. Each run works in a directory of its own under
 .specbook/runs/ that names its process; a later run removes those of processes gone for more than a day.
 """
@@ -339,7 +340,8 @@ def run(root: Path, t: Target, *, record: bool, force: bool = False, fresh: bool
     clean_stale_runs(root / RUNS)
     with _building(t, log):
         if fresh:
-            shutil.rmtree(t.outputs_dir, ignore_errors=True)
+            with _writing(t, log):
+                shutil.rmtree(t.outputs_dir, ignore_errors=True)
         return _run_locked(root, t, record=record, force=force, progress=progress, log=log, ran=set())
 
 
@@ -355,6 +357,13 @@ def _run_locked(root: Path, t: Target, *, record: bool, force: bool, progress: b
                 continue
             outcomes += _run_locked(root, dep, record=record, force=force, progress=progress, log=log, ran=ran)
     log(f"running {t.rb.name} on {t.profile} (inputs {t.inputs_hash})")
+    with _writing(t, log), _reading(_closure(t), log):
+        return [*outcomes, _execute_target(root, t, record=record, progress=progress, log=log, ran=ran)]
+
+
+def _execute_target(root: Path, t: Target, *, record: bool, progress: bool, log, ran: set[str]) -> Outcome:
+    """Build `t` in its outputs directory, its dependencies built: under the write lock of its outputs and the read
+    locks of theirs (see _reading)."""
     t.outputs_dir.mkdir(parents=True, exist_ok=True)
     (t.outputs_dir / DONE).unlink(missing_ok=True)
     work = _new_run_dir(root / RUNS, t)
@@ -376,7 +385,7 @@ def _run_locked(root: Path, t: Target, *, record: bool, force: bool, progress: b
     atomic_write(t.outputs_dir / DONE, (json.dumps({"run": run_id, "date": now_iso()}) + "\n").encode())
     shutil.rmtree(work)  # only after success: a failed run's error message points into its directory
     ran.add(t.rb.name)
-    return [*outcomes, Outcome(t, ex, run_id, kept, seconds)]
+    return Outcome(t, ex, run_id, kept, seconds)
 
 
 _locks: dict[Path, filelock.FileLock] = {}
@@ -418,6 +427,56 @@ def _building(t: Target, log) -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+def _closure(t: Target) -> dict[Path, Target]:
+    """Everything `t` reads: its dependencies and theirs (an output may name an output of its own upstream)."""
+    out: dict[Path, Target] = {}
+    for d in t.upstream.values():
+        out.update({d.outputs_dir: d, **_closure(d)})
+    return out
+
+
+def _use_lock(t: Target) -> filelock.ReadWriteLock:
+    """The reader/writer lock of `t`'s outputs: shared by the runs that read them, exclusive while they are built."""
+    path = t.outputs_dir.with_name(t.outputs_dir.name + ".use")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return filelock.ReadWriteLock(path)  # one per file and process (filelock keeps the instance)
+
+
+@contextlib.contextmanager
+def _writing(t: Target, log) -> Iterator[None]:
+    """Hold `t`'s outputs exclusively while they are rebuilt or removed: never under a run that reads them (a
+    dependency rebuilt in place under its reader handed it half of the old outputs and half of the new)."""
+    lock = _use_lock(t)
+    try:
+        lock.acquire_write(blocking=False)
+    except filelock.Timeout:
+        log(f"waiting for the runs that read {t.rb.name} on {t.profile} to finish before rebuilding it")
+        lock.acquire_write()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@contextlib.contextmanager
+def _reading(deps: dict[Path, Target], log) -> Iterator[None]:
+    """Hold the read locks of `deps`' outputs while a run reads them, and check that they are still built: a run
+    that rebuilt one meanwhile has finished it (its write lock is gone), or failed and left it unbuilt."""
+    with contextlib.ExitStack() as held:
+        for d in sorted(deps.values(), key=lambda d: d.outputs_dir):  # one order: no two runs wait on each other
+            lock = _use_lock(d)
+            try:
+                lock.acquire_read(blocking=False)
+            except filelock.Timeout:
+                log(f"waiting for another run rebuilding {d.rb.name} on {d.profile}")
+                lock.acquire_read()
+            held.callback(lock.release)
+            if not d.done:
+                raise RunFailed(f"{d.rb.name} on {d.profile}: another run rebuilt it meanwhile and did not finish "
+                                f"({d.outputs_dir} has no {DONE}); run again")
+        yield
 
 
 def _new_run_dir(runs: Path, t: Target) -> Path:

@@ -29,8 +29,8 @@ def _here() -> str:
     return provenance.profile_of(provenance.gpus())
 
 
-def _runbook_cmd(root: Path, *args: str, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "SPECBOOK_ROOT": str(root)}
+def _runbook_cmd(root: Path, *args: str, env: dict | None = None, **kwargs) -> subprocess.Popen:
+    env = {**(os.environ if env is None else env), "SPECBOOK_ROOT": str(root)}
     return subprocess.Popen([sys.executable, "-m", "specbook.cli", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kwargs)
 
@@ -104,6 +104,45 @@ def test_a_failed_dependency_build_is_not_taken_for_done(tmp_path, cpu_machine):
     assert r.exit_code == 3 and "runbook up" in r.stderr
     [outputs] = [d for d in (root / ".specbook" / "outputs" / "up" / "cpu").iterdir() if d.is_dir()]
     assert (outputs / "model.txt").exists() and not (outputs / "DONE").exists()
+
+
+REBUILT = runbook_text(profiles=f"{{{_here()}: {{}}}}", params='outputs_dir = ""', body="""
+    import os, time
+    from pathlib import Path
+    Path(outputs_dir, "value").write_text("5")  # half way through its build
+    time.sleep(float(os.environ.get("UP_SLEEP", "0")))
+    Path(outputs_dir, "value").write_text("10")
+    record("value", 10.0, unit="n", direction="none")
+""")
+
+READS_LATE = runbook_text(profiles=f"{{{_here()}: {{}}}}", extra_header="depends: [up]", params="upstream = {}",
+                          body="""
+    import os, time
+    from pathlib import Path
+    Path(os.environ["DOWN_STARTED"]).write_text("reading")
+    time.sleep(10)  # work before it reads its dependency's outputs
+    record("value", float(Path(upstream["up"], "value").read_text()), unit="n", direction="none")
+""")
+
+
+def test_a_dependency_is_not_rebuilt_under_a_run_that_reads_it(tmp_path):
+    """`runbook run up` while `run down`, started earlier, reads up's outputs: up once rebuilt them in place, and
+    down recorded 5 where the answer is 10. The rebuild now waits for its reader."""
+    root = make_repo(tmp_path / "repo", up=REBUILT, down=READS_LATE)
+    started = tmp_path / "down-started"
+    env = {**os.environ, "DOWN_STARTED": str(started)}
+    down = _runbook_cmd(root, "run", "down", "--json", env=env)
+    deadline = time.monotonic() + 120
+    while not started.exists() and down.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert started.exists(), down.communicate()
+    up = _runbook_cmd(root, "run", "up", "--json", env={**env, "UP_SLEEP": "12"})
+    out, err = down.communicate(timeout=180)
+    assert down.returncode == 0, err
+    assert [r["measured"] for r in json.loads(out) if r["runbook"] == "down"] == [10.0], err
+    up_out, up_err = up.communicate(timeout=180)
+    assert up.returncode == 0 and "waiting for the runs that read up" in up_err, up_err
+    assert json.loads(up_out)[0]["measured"] == 10.0
 
 
 # ------------------------------------------------------------------------------- 2. one malformed record file
