@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import click
 
-from specbook import SpecbookError, execute, parallel, provenance, records
+from specbook import SpecbookError, Terminated, execute, parallel, provenance, records
 from specbook.execute import Target, target
 from specbook.execute import run as run_target
 from specbook.runbooks import check_name, check_profile, discover, find_root, load, parse_cli
@@ -21,7 +23,7 @@ from specbook.verify import (FAILED, FAILING, INVALID, STALE, STATES, Verdict, a
 
 # Exit codes: the same meanings as `python -m engine`'s (engine/cli_options.py); tests/test_cli_conventions.py holds
 # them together
-EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 EXIT_CODES = """\b
 States of a recorded number (the same words everywhere):
   fresh     re-measured here within tolerance
@@ -45,7 +47,8 @@ Exit codes (the same meanings as python -m engine's):
        on stderr; the others are still shown)
   3    internal failure, could not run: a runbook failed, timed out, or cannot run on this
        machine's profile; one line on stderr (--debug shows the traceback)
-  130  interrupted (Ctrl-C)"""
+  130  interrupted (Ctrl-C; SIGTERM: 143, "terminated"): a run's kernel and its
+       directory are removed on the way out"""
 
 DEBUG = "specbook.debug"  # key in click's context meta, shared by the group and its subcommands
 
@@ -83,13 +86,15 @@ class Group(click.Group):
 
     def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
+        _terminate_as_interrupt()
         try:
             rc = super().main(args, prog_name or "runbook", complete_var, standalone_mode=False, **extra)
         except click.exceptions.Exit as e:
             sys.exit(e.exit_code)
-        except click.Abort:
-            click.echo("interrupted", err=True)
-            sys.exit(EXIT_INTERRUPTED)
+        except click.Abort as e:
+            terminated = isinstance(e.__context__, Terminated)
+            click.echo("terminated" if terminated else "interrupted", err=True)
+            sys.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
         except click.ClickException as e:  # usage: one line, exit 2 (not click's three-line block)
             if isinstance(e, NO_ARGS):  # no command given: the help, on stderr as click shows it
                 e.show()
@@ -105,11 +110,12 @@ class Group(click.Group):
             self._fail(ctx, str(e), e.exit_code)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
-        except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT, no traceback from the kernel
+        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: one line, the shell's code, no traceback from the kernel
             if _debug(ctx):
                 raise
-            click.echo("interrupted", err=True)
-            ctx.exit(EXIT_INTERRUPTED)
+            terminated = isinstance(e, Terminated)
+            click.echo("terminated" if terminated else "interrupted", err=True)
+            ctx.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
         except Exception as e:  # a bug or an environment problem: still one line unless --debug
             first = (str(e).strip().splitlines() or [""])[0]
             self._fail(ctx, f"{type(e).__name__}: {first} (rerun with --debug for the traceback)", EXIT_INTERNAL)
@@ -125,6 +131,16 @@ class Group(click.Group):
             raise
         click.echo(f"error: {message}", err=True)
         ctx.exit(code)
+
+
+def _terminate_as_interrupt() -> None:
+    """SIGTERM (`kill`, a supervisor's timeout) unwinds like Ctrl-C: a run stops its kernel's process group and
+    removes its directory on the way out, where the default action would end this process and leave both."""
+    def raise_terminated(signum, frame) -> None:
+        raise Terminated()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, raise_terminated)
 
 
 @click.group(cls=Group, epilog=EXIT_CODES, context_settings={"help_option_names": ["-h", "--help"]})

@@ -363,10 +363,10 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def _run_dir(root: Path, name: str, pid: int, age_s: float) -> Path:
+def _run_dir(root: Path, name: str, pid: int, age_s: float, failed: bool = False) -> Path:
     d = root / ".specbook" / "runs" / name
     d.mkdir(parents=True)
-    (d / "owner.json").write_text(json.dumps({"pid": pid}))
+    (d / "owner.json").write_text(json.dumps({"pid": pid, **({"failed": "2026-12-01T00:00:00Z"} if failed else {})}))
     (d / "x.ipynb").write_text("{}")
     t = time.time() - age_s
     for p in (d / "owner.json", d / "x.ipynb", d):
@@ -380,7 +380,7 @@ def test_stale_run_directories_are_removed_at_the_start_of_a_run(tmp_path, cpu_m
     legacy = root / ".specbook" / "runs" / "legacy-cpu-old"  # from before runs named their owner
     legacy.mkdir()
     os.utime(legacy, (time.time() - 2 * 86400,) * 2)
-    failed = _run_dir(root, "failed-cpu-recent", _dead_pid(), 60)  # its error message named it an hour ago
+    failed = _run_dir(root, "failed-cpu-recent", _dead_pid(), 60, failed=True)  # its error message named it
     running = _run_dir(root, "running-cpu-old", os.getpid(), 2 * 86400)  # a long run still going
 
     assert cli(root, "run", "--record", "bench").exit_code == 0
@@ -410,6 +410,56 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     assert "Traceback" not in err and "Error" not in err, err
     assert not (root / "baselines" / "slow.yaml").exists()
     assert not list((root / ".specbook" / "runs").iterdir())  # no message names the interrupted run's notebook
+
+
+LINGERS = runbook_text(profiles=f"{{{_here()}: {{}}}}", body="""
+    import os, subprocess, time
+    child = subprocess.Popen(["sleep", "300"])  # what the runbook's code starts: a server, a worker
+    with open("pids.tmp", "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    os.replace("pids.tmp", "pids")
+    time.sleep(300)
+""")
+
+
+def _gone(pid: int) -> bool:
+    """Whether a process has ended (a zombie waiting for a parent that is gone has ended too)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_killed_run_leaves_no_kernel_and_no_run_directory(tmp_path, sig):
+    """`kill` (SIGTERM) or `kill -9` of `runbook run` once left the kernel running the runbook's code, its children,
+    and .specbook/runs/... behind. SIGTERM: the kernel's process group is killed, the run directory removed, exit
+    143. SIGKILL cannot be caught: the kernel sees its parent gone and kills its group, and the next run removes the
+    directory of a run whose process is gone."""
+    root = make_repo(tmp_path, slow=LINGERS, quick=runbook_text(profiles=f"{{{_here()}: {{}}}}"))
+    log = tmp_path / "stderr"
+    with open(log, "w") as f:  # not a pipe: what outlives the command would hold it open
+        proc = subprocess.Popen([sys.executable, "-m", "specbook.cli", "--root", str(root), "run", "slow"],
+                                stdout=subprocess.DEVNULL, stderr=f, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (root / "pids").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+        time.sleep(0.1)
+    pids = [int(p) for p in (root / "pids").read_text().split()]
+    os.kill(proc.pid, sig)  # the command alone, as `kill PID` or a supervisor's timeout sends it
+    proc.wait(timeout=60)
+    err = log.read_text()
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 143 and err.strip().splitlines()[-1] == "terminated", err
+        assert not list((root / ".specbook" / "runs").iterdir())
+    deadline = time.monotonic() + 20
+    while not all(map(_gone, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [p for p in pids if not _gone(p)] == [], "the kernel or its child outlived the run"
+    if sig == signal.SIGKILL:
+        assert len(list((root / ".specbook" / "runs").iterdir())) == 1
+        assert cli(root, "run", "quick").exit_code == 0  # the next run: the dead run's directory goes
+        assert not list((root / ".specbook" / "runs").iterdir())
 
 
 def test_ctrl_c_leaves_no_traceback_of_the_abandoned_cell(tmp_path, cpu_machine, caplog):
