@@ -13,6 +13,10 @@ class RunFailed(SpecbookError):
     exit_code = 3
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: unwinds as Ctrl-C does (a run's kernel and its directory are cleaned up on the way), exit 143."""
+
+
 from specbook.record import record  # noqa: E402  (after the errors it may need)
 
-__all__ = ["SpecbookError", "RunFailed", "record"]
+__all__ = ["SpecbookError", "RunFailed", "Terminated", "record"]

@@ -4,23 +4,26 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import click
 
-from specbook import SpecbookError, execute, parallel, provenance, records
+from specbook import SpecbookError, Terminated, execute, parallel, provenance, records
 from specbook.execute import Target, target
 from specbook.execute import run as run_target
 from specbook.runbooks import check_name, check_profile, discover, find_root, load, parse_cli
+from specbook.text import one_line
 from specbook.verify import (FAILED, FAILING, INVALID, STALE, STATES, Verdict, age, drift, exit_code, plan,
                              recorded_here, status, verify)
 
 # Exit codes: the same meanings as `python -m engine`'s (engine/cli_options.py); tests/test_cli_conventions.py holds
 # them together
-EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 EXIT_CODES = """\b
 States of a recorded number (the same words everywhere):
   fresh     re-measured here within tolerance
@@ -44,7 +47,8 @@ Exit codes (the same meanings as python -m engine's):
        on stderr; the others are still shown)
   3    internal failure, could not run: a runbook failed, timed out, or cannot run on this
        machine's profile; one line on stderr (--debug shows the traceback)
-  130  interrupted (Ctrl-C)"""
+  130  interrupted (Ctrl-C; SIGTERM: 143, "terminated"): a run's kernel and its
+       directory are removed on the way out"""
 
 DEBUG = "specbook.debug"  # key in click's context meta, shared by the group and its subcommands
 
@@ -82,13 +86,15 @@ class Group(click.Group):
 
     def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
+        _terminate_as_interrupt()
         try:
             rc = super().main(args, prog_name or "runbook", complete_var, standalone_mode=False, **extra)
         except click.exceptions.Exit as e:
             sys.exit(e.exit_code)
-        except click.Abort:
-            click.echo("interrupted", err=True)
-            sys.exit(EXIT_INTERRUPTED)
+        except click.Abort as e:
+            terminated = isinstance(e.__context__, Terminated)
+            click.echo("terminated" if terminated else "interrupted", err=True)
+            sys.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
         except click.ClickException as e:  # usage: one line, exit 2 (not click's three-line block)
             if isinstance(e, NO_ARGS):  # no command given: the help, on stderr as click shows it
                 e.show()
@@ -104,11 +110,12 @@ class Group(click.Group):
             self._fail(ctx, str(e), e.exit_code)
         except (click.exceptions.Exit, click.ClickException, click.Abort):
             raise
-        except KeyboardInterrupt:  # Ctrl-C: one line, the shell's code for SIGINT, no traceback from the kernel
+        except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: one line, the shell's code, no traceback from the kernel
             if _debug(ctx):
                 raise
-            click.echo("interrupted", err=True)
-            ctx.exit(EXIT_INTERRUPTED)
+            terminated = isinstance(e, Terminated)
+            click.echo("terminated" if terminated else "interrupted", err=True)
+            ctx.exit(EXIT_TERMINATED if terminated else EXIT_INTERRUPTED)
         except Exception as e:  # a bug or an environment problem: still one line unless --debug
             first = (str(e).strip().splitlines() or [""])[0]
             self._fail(ctx, f"{type(e).__name__}: {first} (rerun with --debug for the traceback)", EXIT_INTERNAL)
@@ -124,6 +131,16 @@ class Group(click.Group):
             raise
         click.echo(f"error: {message}", err=True)
         ctx.exit(code)
+
+
+def _terminate_as_interrupt() -> None:
+    """SIGTERM (`kill`, a supervisor's timeout) unwinds like Ctrl-C: a run stops its kernel's process group and
+    removes its directory on the way out, where the default action would end this process and leave both."""
+    def raise_terminated(signum, frame) -> None:
+        raise Terminated()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, raise_terminated)
 
 
 @click.group(cls=Group, epilog=EXIT_CODES, context_settings={"help_option_names": ["-h", "--help"]})
@@ -147,7 +164,7 @@ def _num(x: float | None) -> str:
 
 
 def _table(headers: list[str], rows: list[list[Any]]) -> str:
-    cells = [[str(c) for c in r] for r in [headers, *rows]]
+    cells = [[one_line(c) for c in r] for r in [headers, *rows]]  # a record's text stays in its cell
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
@@ -243,6 +260,8 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, recor
     if not provenance.runs_here(profile, here):
         raise SpecbookError(f"cannot measure profile {profile} on this machine (it is {here}); "
                             f"`runbook verify --profile {profile}` reports its records")
+    if record_:
+        provenance.git_commit(root)  # a bad SPECBOOK_GIT_COMMIT is refused before anything runs, not after
     t = target(root, name, profile, overrides)
     _log("will run: " + ", ".join(_plan(t, force)) + ("" if record_ else
                                                       " (measure only; --record writes baselines/ and docs/)"))
@@ -299,6 +318,7 @@ def record_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profiles: tupl
         check_profile(root, p)
         if not provenance.runs_here(p, here):
             raise SpecbookError(f"cannot measure profile {p} on this machine (it is {here})")
+    provenance.git_commit(root)  # a bad SPECBOOK_GIT_COMMIT is refused before anything runs
     todo = [j for p in profiles or (here,) for j in jobs(root, p, list(names) or None)]
     _log("will record: " + ", ".join(j.key for j in todo))
     done = record_all(root, todo, _gpu_ids(gpus), log=_log, progress=not as_json)
@@ -521,27 +541,30 @@ def _check_docs(root: Path) -> list:
 
 
 @main.command("site")
-@click.option("--check", is_flag=True, help="Write nothing; exit 1 when a generated file is out of date or a headline "
-              "is down without a word why in the docs (headlines.yaml).")
+@click.option("--check", is_flag=True, help="Write nothing and fetch nothing; exit 1 when a generated file is out "
+              "of date or a headline is down without a word why in the docs (headlines.yaml), 3 when an input "
+              "cannot be hashed here without fetching it (unknown here).")
 @click.pass_obj
 @click.pass_context
 def site_(ctx: click.Context, obj: Ctx, check: bool) -> None:
     """Bring what is generated from the records up to date: claim literals in docs/ and README.md, docs/status.md
     (every documented number with its state), docs/llms.txt and docs/llms-full.txt (the docs for agents). `runbook
     run --record` does this too; after copying records made elsewhere (a GPU machine), run it and commit."""
-    from specbook import claims, site
+    from specbook import claims, project, site
 
     root = obj.root
     if check:
         from specbook import headlines
 
-        stale = site.out_of_date(root)
+        with project.offline():  # documented to write nothing: no download into a cache either
+            stale = site.out_of_date(root)
         for p in stale:
             click.echo(f"{p.relative_to(root)}: out of date; run `runbook site`")
         down = headlines.problems(root, claims.doc_texts(root))
         for file, line, message in down:
             click.echo(f"{file}{f':{line}' if line else ''}: {message}")
         ctx.exit(1 if stale or down else 0)
+    site.check_inputs_here(root)  # before anything is written
     with records.docs_lock(root):
         changed = [*claims.refresh_docs(root), *site.write_generated(root)]
     click.echo("\n".join(f"wrote {Path(p).relative_to(root)}" for p in changed) or "generated files are up to date")
@@ -586,7 +609,7 @@ def show(obj: Ctx, name: str, as_json: bool) -> None:
             rows.append([pname, mname, _num(m["value"]), m["unit"], m["direction"],
                          f"rel {tol.get('rel', 0):g} abs {tol.get('abs', 0):g}", len(m.get("history", [])),
                          r["source"], age(r["date"]), m["run"]])
-        runs += [_run_line(pname, r) for r in prof["runs"]]
+        runs += [one_line(_run_line(pname, r)) for r in prof["runs"]]
     text = f"{name}: {path.relative_to(root)}\n" + (_table(
         ["profile", "metric", "value", "unit", "direction", "tolerance", "history", "source", "age", "run"], rows)
         if rows else "no records") + "".join(f"\n{line}" for line in runs)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from specbook import SpecbookError, claims, headlines, runbooks, site, verify
+from specbook.text import one_line
 
 CHARS_PER_TOKEN = 4  # a rough, conservative estimate for English and numbers
 
@@ -53,8 +54,8 @@ def number_lines(root: Path) -> list[str]:
         more = f"; +{len(rows) - len(shown)} more" if len(rows) > len(shown) else ""
         latest = max(rows, key=lambda r: r.date)
         where = "" if latest.here or latest.source == "reported" else f", {profile.split('.')[0]} only"
-        lines.append(f"- {runbook} @ {profile} [{common}{where}] ({latest.source}, {latest.hardware}, {latest.date}): "
-                     f"{metrics}{more}")
+        lines.append(one_line(f"- {runbook} @ {profile} [{common}{where}] ({latest.source}, {latest.hardware}, "
+                              f"{latest.date}): {metrics}{more}"))
     return lines
 
 

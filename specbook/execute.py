@@ -4,9 +4,12 @@ dependencies, whose outputs are cached under a hash of their inputs.
 
 Concurrent runs: a target runs under a file lock on its outputs directory, so a dependency two runs both need is
 built once (the other run waits, then finds it DONE); outputs are built in place (a killed training run resumes from
-its checkpoints there) and count only once DONE is written. Kernels listen on Unix sockets in a private directory,
+its checkpoints there) and count only once DONE is written. A run reads its dependencies' outputs under a shared
+lock and a build holds its own exclusively, so a dependency is never rebuilt under a run that reads it. Kernels listen on Unix sockets in a private directory,
 not on TCP ports that concurrent starts could race for. Each run works in a directory of its own under
-.specbook/runs/ that names its process; a later run removes those of processes gone for more than a day.
+.specbook/runs/ that names its process; a later run removes those of killed processes at once, and a failed run's
+(its error message names its notebook) after a day. A kernel whose run was killed with SIGKILL kills its own process
+group (PARENT_WATCH); SIGTERM and Ctrl-C stop it on the way out.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from papermill.exceptions import PapermillExecutionError
 from traitlets.config import Config
 
-from specbook import RunFailed, SpecbookError, cpuload, parallel, records
+from specbook import RunFailed, SpecbookError, Terminated, cpuload, parallel, records
 from specbook.fsutil import atomic_write
 from specbook.provenance import engine_hash, fingerprint, gpus, input_fingerprint, inputs_hash, kernel_environ, now_iso
 from specbook.record import RECORD_FILE_ENV, Metric, read_metrics
@@ -125,23 +128,39 @@ def _ipc_kernel() -> Iterator[Config]:
 
 
 @contextlib.contextmanager
-def _sigint_noted() -> Iterator[threading.Event]:
-    """Ctrl-C raises KeyboardInterrupt as usual, and is remembered: nbclient's clean-up of the kernel may replace it
-    with another error (DeadKernelError) that must still read as an interrupt."""
-    seen = threading.Event()
+def _signals_noted() -> Iterator[list[type[KeyboardInterrupt]]]:
+    """Ctrl-C raises KeyboardInterrupt as usual, SIGTERM Terminated (a KeyboardInterrupt: the same clean-up), and
+    each is remembered: nbclient's clean-up of the kernel (it kills the kernel's process group on either signal) may
+    replace it with another error (DeadKernelError) that must still read as what it was."""
+    seen: list[type[KeyboardInterrupt]] = []
     if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread only
         yield seen
         return
 
     def note(signum, frame) -> None:
-        seen.set()
-        raise KeyboardInterrupt
+        seen.append(Terminated if signum == signal.SIGTERM else KeyboardInterrupt)
+        raise seen[-1]
 
-    old = signal.signal(signal.SIGINT, note)
+    old = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield seen
     finally:
-        signal.signal(signal.SIGINT, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+# Run in the kernel as it starts (IPKernelApp.exec_lines, in a namespace of its own): when the process that started
+# it is gone - killed with SIGKILL, which it cannot catch - the kernel kills its process group, itself and what the
+# runbook's code started (jupyter_client starts a kernel as the leader of a new session). ipykernel's own parent
+# poller ends the kernel alone and leaves its children.
+PARENT_WATCH = """
+import os, signal, threading, time
+def watch(parent=int(os.environ.get("JPY_PARENT_PID") or os.getppid())):
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.killpg(os.getpgrp(), signal.SIGKILL) if os.getpgrp() == os.getpid() else os._exit(1)
+threading.Thread(target=watch, name="specbook-parent-watch", daemon=True).start()
+"""
 
 
 def _forget_abandoned_cell() -> None:
@@ -209,7 +228,8 @@ def execute(root: Path, rb: Runbook, params: dict[str, Any], notebook: Path, pro
     pm_log.setLevel(logging.WARNING)  # its INFO lines repeat the progress bar
     if not any(isinstance(f, _KnownParameters) for f in pm_log.filters):
         pm_log.addFilter(_KnownParameters())
-    quiet_kernel = ["--IPKernelApp.log_level=CRITICAL"]  # its shutdown noise is not about the runbook
+    quiet_kernel = ["--IPKernelApp.log_level=CRITICAL",  # its shutdown noise is not about the runbook
+                    f"--IPKernelApp.exec_lines=exec({PARENT_WATCH!r}, {{}})"]
     try:
         # the kernel imports this repository's engine first, also where PYTHONPATH names another checkout (a verify
         # runs the recorded commit's tree beside this one)
@@ -217,7 +237,7 @@ def execute(root: Path, rb: Runbook, params: dict[str, Any], notebook: Path, pro
         with _environ({**kernel_environ(root), RECORD_FILE_ENV: str(records_file), "PYTHONPATH": path,
                        **parallel.kernel_env()}), \
                 _ipc_kernel() as config, \
-                _sigint_noted() as sigint:
+                _signals_noted() as signalled:
             try:
                 papermill.execute_notebook(nb, str(notebook), parameters=params, kernel_name=ensure_kernel(),
                                            language="python", cwd=str(root), progress_bar=False,
@@ -225,9 +245,9 @@ def execute(root: Path, rb: Runbook, params: dict[str, Any], notebook: Path, pro
                                            extra_arguments=quiet_kernel, config=config,
                                            **(_live(rb, nb) if progress else {}))
             except BaseException:
-                if sigint.is_set():  # Ctrl-C, maybe surfaced as a clean-up error (a dead kernel, a closed channel)
+                if signalled:  # Ctrl-C or SIGTERM, maybe surfaced as a clean-up error (a dead kernel, a closed channel)
                     _forget_abandoned_cell()
-                    raise KeyboardInterrupt from None
+                    raise signalled[0]() from None
                 raise
     except PapermillExecutionError as e:
         raise RunFailed(f"runbook {rb.name}: {_cell(rb, nb, e.source)} raised {e.ename}: {e.evalue} {where}") from None
@@ -339,7 +359,8 @@ def run(root: Path, t: Target, *, record: bool, force: bool = False, fresh: bool
     clean_stale_runs(root / RUNS)
     with _building(t, log):
         if fresh:
-            shutil.rmtree(t.outputs_dir, ignore_errors=True)
+            with _writing(t, log):
+                shutil.rmtree(t.outputs_dir, ignore_errors=True)
         return _run_locked(root, t, record=record, force=force, progress=progress, log=log, ran=set())
 
 
@@ -355,6 +376,13 @@ def _run_locked(root: Path, t: Target, *, record: bool, force: bool, progress: b
                 continue
             outcomes += _run_locked(root, dep, record=record, force=force, progress=progress, log=log, ran=ran)
     log(f"running {t.rb.name} on {t.profile} (inputs {t.inputs_hash})")
+    with _writing(t, log), _reading(_closure(t), log):
+        return [*outcomes, _execute_target(root, t, record=record, progress=progress, log=log, ran=ran)]
+
+
+def _execute_target(root: Path, t: Target, *, record: bool, progress: bool, log, ran: set[str]) -> Outcome:
+    """Build `t` in its outputs directory, its dependencies built: under the write lock of its outputs and the read
+    locks of theirs (see _reading)."""
     t.outputs_dir.mkdir(parents=True, exist_ok=True)
     (t.outputs_dir / DONE).unlink(missing_ok=True)
     work = _new_run_dir(root / RUNS, t)
@@ -362,21 +390,24 @@ def _run_locked(root: Path, t: Target, *, record: bool, force: bool, progress: b
     others = cpuload.Others.start()
     try:
         ex = execute(root, t.rb, t.injected(), notebook, progress)
-    except KeyboardInterrupt:
+        if missing := [m for m in t.rb.reproduces if m not in {x.name for x in ex.metrics}]:
+            raise RunFailed(f"runbook {t.rb.name} declares reproduces {missing} but did not record them "
+                            f"(notebook: {notebook})")
+        seconds, share = _lap(), others.share()
+        if record and ex.metrics:
+            _refuse_busy(t, ex, share, notebook)
+        run_id = _record_run(root, t, ex, seconds, share, log) if record and ex.metrics else None
+        kept = _publish(notebook, root / (EXECUTED if record else LOCAL_EXECUTED) / f"{t.rb.name}-{t.profile}.ipynb")
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM
         shutil.rmtree(work, ignore_errors=True)  # no message names it
         raise
-    if missing := [m for m in t.rb.reproduces if m not in {x.name for x in ex.metrics}]:
-        raise RunFailed(f"runbook {t.rb.name} declares reproduces {missing} but did not record them "
-                        f"(notebook: {notebook})")
-    seconds, share = _lap(), others.share()
-    if record and ex.metrics:
-        _refuse_busy(t, ex, share, notebook)
-    run_id = _record_run(root, t, ex, seconds, share, log) if record and ex.metrics else None
-    kept = _publish(notebook, root / (EXECUTED if record else LOCAL_EXECUTED) / f"{t.rb.name}-{t.profile}.ipynb")
+    except BaseException:
+        _keep(work)  # a failed run's error message points into its directory
+        raise
     atomic_write(t.outputs_dir / DONE, (json.dumps({"run": run_id, "date": now_iso()}) + "\n").encode())
-    shutil.rmtree(work)  # only after success: a failed run's error message points into its directory
+    shutil.rmtree(work)
     ran.add(t.rb.name)
-    return [*outcomes, Outcome(t, ex, run_id, kept, seconds)]
+    return Outcome(t, ex, run_id, kept, seconds)
 
 
 _locks: dict[Path, filelock.FileLock] = {}
@@ -420,6 +451,56 @@ def _building(t: Target, log) -> Iterator[None]:
         lock.release()
 
 
+def _closure(t: Target) -> dict[Path, Target]:
+    """Everything `t` reads: its dependencies and theirs (an output may name an output of its own upstream)."""
+    out: dict[Path, Target] = {}
+    for d in t.upstream.values():
+        out.update({d.outputs_dir: d, **_closure(d)})
+    return out
+
+
+def _use_lock(t: Target) -> filelock.ReadWriteLock:
+    """The reader/writer lock of `t`'s outputs: shared by the runs that read them, exclusive while they are built."""
+    path = t.outputs_dir.with_name(t.outputs_dir.name + ".use")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return filelock.ReadWriteLock(path)  # one per file and process (filelock keeps the instance)
+
+
+@contextlib.contextmanager
+def _writing(t: Target, log) -> Iterator[None]:
+    """Hold `t`'s outputs exclusively while they are rebuilt or removed: never under a run that reads them (a
+    dependency rebuilt in place under its reader handed it half of the old outputs and half of the new)."""
+    lock = _use_lock(t)
+    try:
+        lock.acquire_write(blocking=False)
+    except filelock.Timeout:
+        log(f"waiting for the runs that read {t.rb.name} on {t.profile} to finish before rebuilding it")
+        lock.acquire_write()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@contextlib.contextmanager
+def _reading(deps: dict[Path, Target], log) -> Iterator[None]:
+    """Hold the read locks of `deps`' outputs while a run reads them, and check that they are still built: a run
+    that rebuilt one meanwhile has finished it (its write lock is gone), or failed and left it unbuilt."""
+    with contextlib.ExitStack() as held:
+        for d in sorted(deps.values(), key=lambda d: d.outputs_dir):  # one order: no two runs wait on each other
+            lock = _use_lock(d)
+            try:
+                lock.acquire_read(blocking=False)
+            except filelock.Timeout:
+                log(f"waiting for another run rebuilding {d.rb.name} on {d.profile}")
+                lock.acquire_read()
+            held.callback(lock.release)
+            if not d.done:
+                raise RunFailed(f"{d.rb.name} on {d.profile}: another run rebuilt it meanwhile and did not finish "
+                                f"({d.outputs_dir} has no {DONE}); run again")
+        yield
+
+
 def _new_run_dir(runs: Path, t: Target) -> Path:
     """A directory of this run's own (concurrent runs of one runbook must not share the notebook or the records
     file), naming the process that owns it so that a later run can tell a live run from a dead one."""
@@ -427,6 +508,16 @@ def _new_run_dir(runs: Path, t: Target) -> Path:
     work = Path(tempfile.mkdtemp(prefix=f"{t.rb.name}-{t.profile}-", dir=runs))
     (work / OWNER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "date": now_iso()}))
     return work
+
+
+def _keep(work: Path) -> None:
+    """Mark a failed run's directory to be kept for STALE_RUN_S: the error message names its notebook. A directory
+    whose process is gone without this mark was killed (SIGKILL) and goes at the next run."""
+    try:
+        owner = json.loads((work / OWNER).read_text())
+        atomic_write(work / OWNER, json.dumps({**owner, "failed": now_iso()}).encode())
+    except (OSError, ValueError):
+        pass
 
 
 def _alive(pid: int) -> bool:
@@ -440,19 +531,23 @@ def _alive(pid: int) -> bool:
 
 
 def clean_stale_runs(runs: Path, max_age_s: float = STALE_RUN_S) -> None:
-    """Remove run directories left by killed or failed runs: of a process of this host that is gone (or naming
-    none), untouched for more than `max_age_s`. A live run's directory stays however old; a recent failure's stays
-    for the message that names its notebook."""
+    """Remove run directories left by killed or failed runs of this host: a killed run's (its process gone, the
+    directory not marked failed: SIGKILL) at once, a failed run's or one naming no process once untouched for more
+    than `max_age_s`. A live run's directory stays however old; a recent failure's stays for the message that names
+    its notebook."""
     if not runs.is_dir():
         return
     now, host = time.time(), socket.gethostname()
     for d in runs.iterdir():
         try:
             owner = json.loads((d / OWNER).read_text())
-            pid, its_host = int(owner["pid"]), owner.get("host", host)
+            pid, its_host, failed = int(owner["pid"]), owner.get("host", host), "failed" in owner
         except (OSError, ValueError, KeyError, TypeError):
-            pid, its_host = None, host  # from before run directories named their owner, or half-written
+            pid, its_host, failed = None, host, True  # from before run directories named their owner, or half-written
         if its_host != host or pid is not None and _alive(pid):
+            continue
+        if not failed:
+            shutil.rmtree(d, ignore_errors=True)
             continue
         try:
             touched = max([d.stat().st_mtime, *(p.stat().st_mtime for p in d.iterdir())])

@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from specbook import SpecbookError, project, records
+from specbook.text import md_cell
 
 KEY = r"[A-Za-z0-9_.-]+"
 REGRESSION_RE = re.compile(
@@ -265,12 +266,13 @@ def markdown(root: Path, texts: dict[str, str]) -> list[str]:
     for s in standings(root, texts):
         h = s.headline
         if s.problem:
-            rows.append(f"| `{h.key}` | - | - | - | {s.state()} |")
+            rows.append(f"| `{h.key}` | - | - | - | {md_cell(s.state())} |")
             continue
         goal = "-" if h.goal is None else f"{'>=' if s.better == 'higher' else '<='} {fmt(h.goal)}"
         state = s.state().replace("UNEXPLAINED", "**UNEXPLAINED**")
-        rows.append(f"| {h.what} (`{h.key}`) | {fmt(s.now.value)} {s.unit} ({s.now.date[:10]}) | "
-                    f"{fmt(s.best.value)} ({s.best.date[:10]}) | {goal} | {state} |")
+        cells = (f"{h.what} (`{h.key}`)", f"{fmt(s.now.value)} {s.unit} ({s.now.date[:10]})",
+                 f"{fmt(s.best.value)} ({s.best.date[:10]})", goal, state)
+        rows.append("| " + " | ".join(md_cell(c) for c in cells) + " |")
     return rows
 
 

@@ -6,7 +6,8 @@
                                    # beside a timing one on its GPU
     headlines = "headlines.yaml"   # the headline numbers and their goals (specbook.headlines)
     [tool.specbook.inputs]         # named inputs a runbook may declare (`inputs: [corpus]`)
-    corpus = "engine.train.corpus:manifest_hash"   # module:function, called without arguments, returns a hash
+    corpus = "engine.train.corpus:manifest_hash"   # module:function, called without arguments, returns a hash;
+                                   # while SPECBOOK_OFFLINE=1 it downloads nothing (raises instead: `site --check`)
     [tool.specbook.same_parameters]  # a machine that runs another's profiles, recorded apart
     h100 = "h200"
     [tool.specbook.kernel_env]     # variables every runbook kernel starts with (unless the environment sets them)
@@ -17,13 +18,15 @@ specbook itself names no project package: what it fingerprints is configured her
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import os
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from specbook import SpecbookError
 
@@ -31,6 +34,24 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
+
+OFFLINE_ENV = "SPECBOOK_OFFLINE"  # what an input function honours: fetch nothing, raise instead
+
+
+@contextlib.contextmanager
+def offline() -> Iterator[None]:
+    """Input functions called inside download nothing (OFFLINE_ENV): a command documented to write nothing, such as
+    `runbook site --check`, must not fill a cache either; an input that is not here then cannot be hashed."""
+    before = os.environ.get(OFFLINE_ENV)
+    os.environ[OFFLINE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(OFFLINE_ENV, None)
+        else:
+            os.environ[OFFLINE_ENV] = before
+
 
 _TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _PACKAGE = re.compile(r"^[A-Za-z_]\w*$")

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from specbook import RunFailed, codehash, project
+from specbook import RunFailed, SpecbookError, codehash, project
 
 # environment variables that change performance, or which code paths the CPU's math takes (and so its rounding)
 ENV_PREFIXES = ("NCCL_", "CUDA_", "TORCH_", "OMP_", "PYTORCH_", "ATEN_", "MKL_", "ONEDNN_", "DNNL_", "OPENBLAS_")
@@ -200,15 +200,54 @@ def _git(root: Path, *args: str) -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
+FULL_COMMIT = re.compile(r"[0-9a-f]{40}")  # a full SHA-1 object id, as `git rev-parse HEAD` prints it
+SENT_COMMIT_ENV = "SPECBOOK_GIT_COMMIT"
+
+
+def verified_commit(root: Path, value: Any) -> str | None:
+    """`value` when it is a full commit id that names a commit of the repository at `root`, else None. A record's
+    commit is an input like any other: nothing but 40 hex digits reaches git (never as an option: git's
+    --end-of-options as well), and only what `git rev-parse --verify` resolves to that same commit is used."""
+    if not isinstance(value, str) or not FULL_COMMIT.fullmatch(value):
+        return None
+    resolved = _git(root, "rev-parse", "--verify", "--quiet", "--end-of-options", value + "^{commit}")
+    return value if resolved == value else None
+
+
+def why_no_commit(root: Path, value: Any) -> str:
+    """Why the commit a record names cannot be had here, in words (verified_commit gave None)."""
+    if _git(root, "rev-parse", "--git-dir") is None:
+        return "this checkout is not a git repository"
+    if not isinstance(value, str) or not FULL_COMMIT.fullmatch(value):
+        return f"the record names {value!r}, not a full commit id"
+    if _git(root, "rev-parse", "--is-shallow-repository") == "true":
+        return (f"the recorded commit {value[:10]} is missing from this shallow clone (`git fetch --unshallow` "
+                "fetches the history)")
+    return f"the recorded commit {value[:10]} is not in this repository (`git fetch` may bring it)"
+
+
 def _git_state(root: Path) -> tuple[str | None, bool]:
     """Commit and dirty flag. A copy of the working tree sent to another machine (a lent GPU) names them in
     SPECBOOK_GIT_COMMIT / SPECBOOK_GIT_DIRTY: the sender knows what it sent, while a .git that came along may be of
-    an older commit (its HEAD, with the sent files as uncommitted changes). Without them, git itself."""
-    sent = os.environ.get("SPECBOOK_GIT_COMMIT")
+    an older commit (its HEAD, with the sent files as uncommitted changes). Without them, git itself. A sent commit
+    must be a full commit id, and one this repository knows where the copy is a repository (the lent machine's copy
+    has no .git: there only its form can be checked)."""
+    sent = os.environ.get(SENT_COMMIT_ENV)
     if sent:
+        in_git = _git(root, "rev-parse", "--git-dir") is not None
+        if not FULL_COMMIT.fullmatch(sent) or in_git and verified_commit(root, sent) is None:
+            what = "is not a commit of this repository" if FULL_COMMIT.fullmatch(sent) else \
+                "is not a full commit id (40 hex digits, as `git rev-parse HEAD` prints it)"
+            raise SpecbookError(f"{SENT_COMMIT_ENV}={sent!r} {what}; set it to the commit this tree was sent at")
         return sent, os.environ.get("SPECBOOK_GIT_DIRTY", "0") not in ("", "0")
     commit = _git(root, "rev-parse", "HEAD")
     return commit, commit is not None and bool(_git(root, "status", "--porcelain"))
+
+
+def git_commit(root: Path) -> str | None:
+    """The commit a run here is recorded at (see _git_state); raises SpecbookError for a bad SPECBOOK_GIT_COMMIT, so
+    that a command that records can refuse it before it runs anything."""
+    return _git_state(root)[0]
 
 
 def _version(dist: str) -> str | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import math
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from specbook.record import DIRECTIONS, KINDS, Metric
 
 BASELINES = "baselines"
 SOURCES = ("measured", "reported")
+COMMIT = re.compile(r"[0-9a-f]{4,40}")  # what a record may name as its commit: a commit id, full or abbreviated
 LOCK_TIMEOUT_S = 120.0
 # libyaml when present: record files grow with every run and history entry
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -157,6 +159,8 @@ def validate(data: Any, path: Path) -> None:
     if not isinstance(data["profiles"], dict):
         raise bad("profiles", "must be a mapping of profile name to runs and metrics")
     for pname, prof in data["profiles"].items():
+        if not isinstance(pname, str) or not pname:
+            raise bad(f"profiles.{_brief(pname)}", "a profile name must be a string")
         if not isinstance(prof, dict) or not isinstance(prof.get("runs"), list) \
                 or not isinstance(prof.get("metrics"), dict):
             raise bad(f"profiles.{pname}", "needs a runs list and a metrics mapping")
@@ -165,13 +169,92 @@ def validate(data: Any, path: Path) -> None:
             _check_run(run, f"profiles.{pname}.runs[{i}]", bad)
             ids.add(run["id"])
         for mname, m in prof["metrics"].items():
+            if not isinstance(mname, str) or not mname:
+                raise bad(f"profiles.{pname}.metrics.{_brief(mname)}", "a metric name must be a string")
             _check_metric(m, ids, f"profiles.{pname}.metrics.{mname}", bad)
 
 
+def _brief(x: Any, limit: int = 40) -> str:
+    """A value as an error line quotes it: its repr (one line), cut short (a hand edit may be 400 digits long)."""
+    try:
+        text = repr(x)
+    except ValueError:  # an int beyond Python's digit limit for str()
+        text = f"<{type(x).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _is_number(x: Any) -> bool:
-    """A finite int or float: NaN compares unequal to everything (never drifts, never matches) and inf has no
-    tolerance, so neither is a measurement."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite int or float that a float can hold: NaN compares unequal to everything (never drifts, never
+    matches), inf has no tolerance, and an int of 400 digits overflows every comparison with a float."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:
+        return False
+
+
+# The provenance fields the commands read, and what each must be where present (a hand edit of one must be named,
+# not crash every command that shows the record): a predicate and its description, a mapping of such per key, or
+# _Each(shape) for a mapping from any string key to values of one shape.
+@dataclass(frozen=True)
+class _Each:
+    shape: Any
+
+
+def _text(x: Any) -> bool:
+    return isinstance(x, str)
+
+
+def _text_or_null(x: Any) -> bool:
+    return x is None or isinstance(x, str)
+
+
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 31
+
+
+TEXT, TEXT_OR_NULL = (_text, "a string"), (_text_or_null, "a string or null")
+FLAG = (lambda x: isinstance(x, bool), "true or false")
+TEXTS = (lambda x: isinstance(x, list) and all(map(_text, x)), "a list of strings")
+PROVENANCE = {
+    "git_dirty": FLAG, "runbook_hash": TEXT_OR_NULL, "params_hash": TEXT_OR_NULL, "engine_hash": TEXT_OR_NULL,
+    "versions": _Each(TEXT_OR_NULL), "env": _Each(TEXT),
+    "gpu": {"count": (_count, "a count (a whole number >= 0)"), "names": TEXTS, "uuids": TEXTS,
+            "driver": TEXT_OR_NULL},
+    "cpu": {"model": TEXT_OR_NULL, "count": (lambda x: x is None or _count(x), "a count or null"),
+            "isa": TEXT_OR_NULL},
+    "sitecustomize": _Each({"importable": FLAG, "active": FLAG, "path": TEXT_OR_NULL, "hash": TEXT_OR_NULL}),
+    "platform": TEXT_OR_NULL, "profile": TEXT_OR_NULL, "date": TEXT_OR_NULL, "reported_by": TEXT,
+    "others_cpu_share": (_is_number, "a finite number"),
+}
+
+
+def _conform(x: Any, shape: Any, where: str, bad) -> None:
+    """Check `x` against `shape` (see PROVENANCE), naming the innermost field that does not fit."""
+    if isinstance(shape, (dict, _Each)):
+        if not isinstance(x, dict) or not all(isinstance(k, str) for k in x):
+            raise bad(where, f"must be a mapping with string keys, not {_brief(x)}")
+        for k, v in x.items():
+            sub = shape.shape if isinstance(shape, _Each) else shape.get(k)
+            if sub is not None:
+                _conform(v, sub, f"{where}.{k}", bad)
+        return
+    ok, what = shape
+    if not ok(x):
+        raise bad(where, f"must be {what}, not {_brief(x)}")
+
+
+def _plain(x: Any, depth: int = 0) -> bool:
+    """JSON-like data (mappings with string keys, lists, strings, finite numbers, booleans, null), as parameters are:
+    they are hashed as canonical JSON, which sorts keys."""
+    if depth > 32:
+        return False
+    if isinstance(x, dict):
+        return all(isinstance(k, str) and _plain(v, depth + 1) for k, v in x.items())
+    if isinstance(x, list):
+        return all(_plain(v, depth + 1) for v in x)
+    return x is None or isinstance(x, (str, bool)) or _is_number(x)
 
 
 def _check_run(run: Any, where: str, bad) -> None:
@@ -185,11 +268,24 @@ def _check_run(run: Any, where: str, bad) -> None:
         raise bad(where, f"date {run.get('date')!r} is not an ISO date like 2026-11-29T14:40:00Z") from None
     if not isinstance(run.get("provenance"), dict):
         raise bad(where, "needs a provenance mapping")
+    commit = run["provenance"].get("git_commit")
+    if commit is not None and not (isinstance(commit, str) and COMMIT.fullmatch(commit)):
+        raise bad(f"{where}.provenance.git_commit", f"must be a commit id (hex digits) or null, not {_brief(commit)}")
     if "seconds" in run and not (_is_number(run["seconds"]) and run["seconds"] >= 0):
         raise bad(where, f"seconds must be a number of seconds, not {run['seconds']!r}")
     if run["source"] == "measured" and not (isinstance(run.get("inputs_hash"), str)
                                             and isinstance(run.get("parameters"), dict)):
         raise bad(where, "a measured run needs inputs_hash (string) and parameters (mapping)")
+    if "parameters" in run and not (isinstance(run["parameters"], dict) and _plain(run["parameters"])):
+        raise bad(f"{where}.parameters", "must be a mapping of plain values (string keys, finite numbers)")
+    for key, shape in PROVENANCE.items():
+        if key in run["provenance"]:
+            _conform(run["provenance"][key], shape, f"{where}.provenance.{key}", bad)
+    for key, value in run["provenance"].items():
+        if not isinstance(key, str):
+            raise bad(f"{where}.provenance.{_brief(key)}", "a provenance field name must be a string")
+        if key.endswith("_manifest") and not _text_or_null(value):
+            raise bad(f"{where}.provenance.{key}", f"must be a string, not {_brief(value)}")
 
 
 def _check_metric(m: Any, run_ids: set[str], where: str, bad) -> None:
@@ -197,6 +293,8 @@ def _check_metric(m: Any, run_ids: set[str], where: str, bad) -> None:
         raise bad(where, "needs a numeric value (finite: no NaN or infinity)")
     if not isinstance(m.get("unit"), str):
         raise bad(where, "needs a unit (string)")
+    if not isinstance(m.get("description", ""), str):
+        raise bad(f"{where}.description", f"must be a string, not {_brief(m['description'])}")
     if m.get("direction") not in DIRECTIONS:
         raise bad(where, f"direction must be one of {', '.join(DIRECTIONS)}")
     if m.get("kind", kind_of(m)) not in KINDS:
@@ -214,6 +312,8 @@ def _check_metric(m: Any, run_ids: set[str], where: str, bad) -> None:
     for i, h in enumerate(m.get("history", [])):
         if not isinstance(h, dict) or not _is_number(h.get("value")):
             raise bad(f"{where}.history[{i}]", "needs a numeric value (finite: no NaN or infinity)")
+        if not isinstance(h.get("run"), str):
+            raise bad(f"{where}.history[{i}].run", f"must be a run id (string), not {_brief(h.get('run'))}")
 
 
 def dump(data: dict[str, Any]) -> str:

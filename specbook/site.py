@@ -7,6 +7,7 @@ mkdocs.yml names this file under `hooks:`, so `mkdocs build` adds, without writi
 """
 from __future__ import annotations
 
+import contextlib
 import html
 import io
 import os
@@ -14,9 +15,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specbook import claims, headlines, records, verify
+from specbook import RunFailed, SpecbookError, claims, headlines, provenance, records, runbooks, verify
 from specbook.execute import EXECUTED
 from specbook.fsutil import atomic_write
+from specbook.text import md_cell, one_line
 
 VERDICT_ADMONITION = {verify.REPORTED: "info", verify.STALE: "warning", verify.DRIFTED: "danger",
                       verify.FLAKY: "danger", verify.FAILED: "danger"}
@@ -123,13 +125,18 @@ def _badges(row: Row) -> str:
 ARROWS = {"higher": "\u2191", "lower": "\u2193", "none": "="}  # which way is better; "=" any change is drift
 
 
+def _html(text: str) -> str:
+    """Record text inside the dashboard's HTML: escaped, and on one line (a blank line would end the HTML block)."""
+    return html.escape(one_line(text))
+
+
 def _table(rows: list[Row]) -> str:
     head = "<tr><th>metric</th><th>value</th><th>unit</th><th>tolerance</th><th>verdict</th><th>recorded</th></tr>"
     body = []
     for r in rows:
         tol = ", ".join(f"{k} {v:g}" for k, v in r.tolerance.items() if v) or "exact"
-        body.append(f'<tr><td>{r.metric}</td><td class="value" data-record="{r.key}">{format_number(r.value)}</td>'
-                    f'<td>{html.escape(r.unit)} <span title="better: {r.direction}">{ARROWS.get(r.direction, "")}'
+        body.append(f'<tr><td>{_html(r.metric)}</td><td class="value" data-record="{_html(r.key)}">'
+                    f'{format_number(r.value)}</td><td>{_html(r.unit)} <span title="better: {r.direction}">{ARROWS.get(r.direction, "")}'
                     f"</span></td><td>{tol}</td><td>{_badges(r)}</td><td>{r.date} ({r.source})</td></tr>")
     return f"<table>\n<thead>{head}</thead>\n<tbody>\n" + "\n".join(body) + "\n</tbody>\n</table>"
 
@@ -156,7 +163,7 @@ def dashboard(root: Path | str) -> tuple[str, dict[str, str]]:
     for (runbook, profile), group in groups.items():
         latest = max(group, key=lambda r: r.date)
         out += [f"## {runbook} / {profile}", "",
-                f"**Hardware:** {html.escape(latest.hardware)} &nbsp; **Last recorded:** {latest.date}", ""]
+                f"**Hardware:** {_html(latest.hardware)} &nbsp; **Last recorded:** {latest.date}", ""]
         verdicts = {r.verdict for r in group if r.verdict in VERDICT_ADMONITION}
         for v in sorted(verdicts):
             why = {verify.REPORTED: verify.MEANING[verify.REPORTED],
@@ -234,10 +241,31 @@ def llms_full_txt(root: Path | str) -> str:
 STATUS_PAGE = Path("docs") / "status.md"
 
 
+class UnknownHere(RunFailed):
+    """An input the records are hashed against cannot be hashed on this machine (missing and not to be fetched, or
+    damaged): the committed pages would record this machine's problem, so none is written or checked here."""
+
+
+def check_inputs_here(root: Path) -> None:
+    """Raise UnknownHere unless every input the runbooks declare hashes here (project.offline: without fetching)."""
+    declared = set()
+    for name in runbooks.discover(root):
+        with contextlib.suppress(SpecbookError):  # a broken runbook is reported as failed, the same everywhere
+            declared.update(runbooks.load(root, name).inputs)
+    for name in sorted(declared):
+        try:
+            provenance.input_fingerprint(root, name)
+        except RunFailed as e:
+            raise UnknownHere(f"{STATUS_PAGE} not written nor checked: {e} (unknown here: a problem of this machine, "
+                              "not of the records; the committed page keeps what the records say)") from None
+
+
 def status_page(root: Path | str) -> str:
     """docs/status.md: every number the docs and README quote, with its value, state from input hashes (the same
-    on every machine: nothing runs), and the run that measured it. Generated; CI fails when it is out of date."""
+    on every machine: nothing runs), and the run that measured it. Generated; CI fails when it is out of date. An
+    input that cannot be hashed here fails it (check_inputs_here) rather than reading "failed" in the page."""
     root = Path(root)
+    check_inputs_here(root)
     index = verify.index(root, here="-")  # "-": no machine's view; where a number can be re-measured is a column
     rows, newest, cache = [], "", {}
     for path in [*claims.doc_files(root), *claims.extra_files(root)]:
@@ -250,17 +278,17 @@ def status_page(root: Path | str) -> str:
                     if rel.startswith("docs/") else f"`{rel}:{c.line}`")
             if c.run and v is not None and (run := claims.pinned_run(root, c, cache)) is not None:
                 commit = str((run.get("provenance") or {}).get("git_commit") or "-")[:10]
-                rows.append(f"| `{c.label}` | {link} | {c.literal} {v.unit} | - | **{claims.PINNED}** | - | "
-                            f"{str(run.get('date'))[:10]}, {verify.hardware(c.profile, run)}, commit `{commit}` |")
+                rows.append(_row(f"`{c.label}`", link, f"{c.literal} {v.unit}", "-", f"**{claims.PINNED}**", "-",
+                                 f"{str(run.get('date'))[:10]}, {verify.hardware(c.profile, run)}, commit `{commit}`"))
                 continue
             if v is None:
-                rows.append(f"| `{c.key}` | {link} | {c.literal} | | unrecorded | | |")
+                rows.append(_row(f"`{c.key}`", link, c.literal, "", "unrecorded", "", ""))
                 continue
             newest = max(newest, v.date[:10])
             where = "hand-measured" if v.state == verify.REPORTED else f"on `{v.profile.split('.')[0]}`"
             inputs = v.inputs if v.state != verify.REPORTED else "-"
-            rows.append(f"| `{c.key}` | {link} | {c.literal} {v.unit} | {where} | **{v.state}** | {inputs} | "
-                        f"{v.date[:10]}, {v.hardware}, commit `{v.commit or '-'}` |")
+            rows.append(_row(f"`{c.key}`", link, f"{c.literal} {v.unit}", where, f"**{v.state}**", inputs,
+                             f"{v.date[:10]}, {v.hardware}, commit `{v.commit or '-'}`"))
     counts = {s: sum(f"**{s}**" in r for r in rows) for s in (*verify.STATES, claims.PINNED)}
     head = ["---", "title: Status of every documented number", "status: generated", f"updated: {newest or '-'}",
             "runbooks: []", "records: []", "---", "", "# Status of every documented number", "",
@@ -290,6 +318,12 @@ def headline_section(root: Path) -> list[str]:
             "The numbers the mission stands on, each against the best its record's history holds and its goal "
             "(`headlines.yaml`). A headline down by more than its noise must be explained in the docs "
             "(`<!-- regression: KEY@RUN -->`), or CI fails.", "", *rows, ""]
+
+
+def _row(*cells: str) -> str:
+    """One row of the status table, each cell escaped where it is written: a record's unit or name may hold a `|` or
+    a newline, which would start another cell or row."""
+    return "| " + " | ".join(md_cell(c) for c in cells) + " |"
 
 
 def generated(root: Path | str) -> dict[Path, str]:

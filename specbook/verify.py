@@ -26,6 +26,7 @@ import shutil
 import statistics
 import subprocess
 import tarfile
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -150,16 +151,22 @@ def _current(root: Path, name: str, profile: str, cache: dict) -> Target | Excep
     return cache[key]
 
 
-def why_stale(root: Path, t: Target, run: dict[str, Any]) -> str:
-    """Which inputs changed since `run`, from the hashes its provenance kept; for the engine, which files and
-    definitions (from the recorded commit's files, where this clone has them)."""
+def changed_inputs(t: Target, run: dict[str, Any]) -> list[str]:
+    """Which of `t`'s own inputs (runbook, parameters, engine code, declared inputs) hash otherwise than when `run`
+    was recorded, from the hashes its provenance kept."""
     p = run.get("provenance", {})
     now = {"runbook": sha(t.rb.hashed_source), "parameters": sha(canonical(t.params)), "engine": t.engine}
     then = {"runbook": p.get("runbook_hash"), "parameters": p.get("params_hash"), "engine": p.get("engine_hash")}
     changed = [k for k in now if now[k] != then[k]]
+    return changed + [f"input {i}" for i, h in t.inputs.items() if p.get(f"{i}_manifest") != h]
+
+
+def why_stale(root: Path, t: Target, run: dict[str, Any]) -> str:
+    """Which inputs changed since `run`; for the engine, which files and definitions (from the recorded commit's
+    files, where this clone has them)."""
+    changed = changed_inputs(t, run)
     if "engine" in changed:
-        changed[changed.index("engine")] = engine_change(root, t, p)
-    changed += [f"input {i}" for i, h in t.inputs.items() if p.get(f"{i}_manifest") != h]
+        changed[changed.index("engine")] = engine_change(root, t, run.get("provenance", {}))
     return ", ".join(changed or ["upstream"]) + " changed"
 
 
@@ -480,11 +487,11 @@ def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], now: dic
     fresh (the machine's factor is noted). No majority -> flaky, which fails as drift does. Without GPUs the pairs
     run side by side (specbook.sidebyside: a shared CPU's pace moves within a minute, by more than a tolerance, and
     runs one after another would compare two moments); with GPUs, A B in turn (two runs on one GPU would time each
-    other's kernels), and the last pair is skipped when the two before it already agree (_settled). Without git
-    history, B runs twice more against the record."""
+    other's kernels), and the last pair is skipped when the two before it already agree (_settled). Without the
+    recorded commit's tree (no git history, a shallow clone, a record made with uncommitted changes: recorded_tree),
+    B runs twice more against the record, and the detail says why and what that leaves out."""
     name, profile = t.rb.name, t.profile
     run = records.run_of(prof, prof["metrics"][drifted[0].metric]["run"])
-    commit = (run.get("provenance") or {}).get("git_commit")
     unchanged = run.get("inputs_hash") == t.inputs_hash
     if unchanged:
         elsewhere = other_machine(run, now)
@@ -495,14 +502,11 @@ def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], now: dic
             v.state = MOVED
             v.detail = f"{v.detail}; code and parameters as recorded, {where}"
         return
-    a_root = baseline_tree(root, commit)
-    ta = None
-    if a_root is not None:
-        try:
-            ta = target(a_root, name, profile)
-        except SpecbookError as e:
-            log(f"{name} ({profile}): the recorded commit cannot run it ({e}); measuring against the record")
+    a_root, ta, without = recorded_tree(root, t, run)
+    if without:
+        log(f"{name} ({profile}): not against the recorded commit: {without}")
     side = ta is not None and side_by_side_here()
+    commit = str(run["provenance"]["git_commit"]) if ta else ""
     how = (f"side by side with the recorded commit {commit[:10]} (two streams of three runs)" if side else
            f"interleaved with the recorded commit {commit[:10]} (A B, three times)" if ta else
            "twice more against the record")
@@ -523,6 +527,9 @@ def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], now: dic
                     break
     for v in drifted:
         _rejudge(v, prof["metrics"][v.metric], pairs, ta is not None, "side by side" if side else "interleaved")
+        if without:
+            v.detail = (f"{v.detail}; not against the recorded commit ({without}): judged against the record "
+                        "alone, so a change of this machine's pace since the record counts as the code's")
 
 
 def _exact_elsewhere(root: Path, t: Target, prof: dict, drifted: list[Verdict], now: dict[str, Any],
@@ -546,19 +553,19 @@ def _exact_elsewhere(root: Path, t: Target, prof: dict, drifted: list[Verdict], 
             v.state, v.change = MOVED, None
             v.detail = f"{v.detail}; code and parameters as recorded, {where}"
         return
-    commit = (run.get("provenance") or {}).get("git_commit")
-    a_root = baseline_tree(root, commit)
+    a_root, ta, without = recorded_tree(root, t, run)
     a = None
-    if a_root is not None:
-        try:
-            log(f"{name} ({profile}): {len(drifted)} exact number(s) differ ({where}); running the recorded commit "
-                f"{commit[:10]} here to compare with")
-            a = _measure_or_none(a_root, target(a_root, name, profile), progress, log)
-        except SpecbookError as e:
-            log(f"{name} ({profile}): the recorded commit cannot run it ({e})")
+    if ta is not None:
+        log(f"{name} ({profile}): {len(drifted)} exact number(s) differ ({where}); running the recorded commit "
+            f"{run['provenance']['git_commit'][:10]} here to compare with")
+        a = _measure_or_none(a_root, ta, progress, log)
+    else:
+        log(f"{name} ({profile}): not against the recorded commit: {without}")
     for v in drifted:
         if a is None or v.metric not in a:
-            v.detail = f"{v.detail}; {where}, and the recorded commit could not be run here to compare with"
+            why = without or "its run failed"
+            v.detail = (f"{v.detail}; {where}, and the recorded commit could not be run here to compare with "
+                        f"({why}): this processor's rounding cannot be told from a change of the code")
             continue
         entry = {**prof["metrics"][v.metric], "value": a[v.metric]}
         v.change = drift(entry, v.measured)
@@ -637,28 +644,63 @@ def _rejudge(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None
         v.state, v.change = DRIFTED, vote
 
 
-def baseline_tree(root: Path, commit: str | None) -> Path | None:
-    """The repository at `commit`, extracted once under .specbook/ab/ (its outputs shared with this tree's, so
-    dependencies whose inputs are unchanged are not rebuilt); None without git or that commit."""
+def recorded_tree(root: Path, t: Target, run: dict[str, Any]) -> tuple[Path | None, Target | None, str]:
+    """The tree of the commit `run` was recorded at and `t`'s runbook resolved in it, or (None, None, why not, in
+    words for the verdict's detail). The tree stands for the record only where it reproduces the record's input
+    hashes (runbook, parameters, engine code): a run recorded with uncommitted changes (git_dirty) measured code
+    that its commit does not hold, and comparing with the commit would call the difference a change."""
+    p = run.get("provenance") or {}
+    commit = p.get("git_commit")
     if not commit:
+        return None, None, "the record names no commit"
+    a_root = baseline_tree(root, commit)
+    if a_root is None:
+        return None, None, provenance.why_no_commit(root, commit) if provenance.verified_commit(root, commit) \
+            is None else f"the recorded commit {commit[:10]} could not be extracted"
+    try:
+        ta = target(a_root, t.rb.name, t.profile)
+    except SpecbookError as e:
+        return None, None, f"the recorded commit {commit[:10]} cannot run it ({e})"
+    if differs := changed_inputs(ta, run):
+        dirty = "; it was recorded with uncommitted changes (git_dirty)" if p.get("git_dirty") else ""
+        return None, None, (f"the recorded commit {commit[:10]}'s tree does not reproduce the record's "
+                            f"{', '.join(differs)} hash{dirty}")
+    return a_root, ta, ""
+
+
+def baseline_tree(root: Path, recorded: Any) -> Path | None:
+    """The repository at the commit a record names, extracted once under .specbook/ab/ (its outputs shared with this
+    tree's, so dependencies whose inputs are unchanged are not rebuilt); None without git or that commit. The
+    record's value is used only once git has verified it as a full commit id (provenance.verified_commit): a record
+    field never reaches git as an option nor a path as anything but hex digits."""
+    commit = provenance.verified_commit(root, recorded)
+    if commit is None:
         return None
     dest = root / ".specbook" / "ab" / commit[:12]
     if (dest / "runbooks").is_dir():
         return dest
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    archive = subprocess.run(["git", "archive", "--format=tar", commit], cwd=root, capture_output=True)
-    if archive.returncode != 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        return None
-    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(tmp, filter="data")
-    (tmp / ".specbook").mkdir()
+    dest.parent.mkdir(parents=True, exist_ok=True)
     (root / ".specbook" / "outputs").mkdir(parents=True, exist_ok=True)
-    (tmp / ".specbook" / "outputs").symlink_to((root / ".specbook" / "outputs").resolve())
-    tmp.rename(dest)
-    return dest
+    # extracted into a directory of this process's own, then moved into place in one step: two verifies at once
+    # each extract their copy, one rename wins and the other's copy goes
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    try:
+        archive = subprocess.run(["git", "archive", "--format=tar", "--end-of-options", commit], cwd=root,
+                                 capture_output=True)
+        if archive.returncode != 0:
+            return None
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(tmp, filter="data")
+        (tmp / ".specbook").mkdir()
+        (tmp / ".specbook" / "outputs").symlink_to((root / ".specbook" / "outputs").resolve())
+        try:
+            tmp.rename(dest)
+        except OSError:  # another process's copy is in place (ENOTEMPTY, EEXIST)
+            if not (dest / "runbooks").is_dir():
+                raise
+        return dest
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _failed(v: Verdict, detail: str) -> Verdict:

@@ -1,10 +1,13 @@
 """Docs checks and claim refresh: each bad input fails with file and line."""
+import re
 from pathlib import Path
 
 import pytest
 import yaml
+from click.testing import CliRunner
 
 from specbook import claims, provenance, site
+from specbook.cli import main
 from specbook.execute import target
 from specbook.claims import DocsError, check_docs, plan_refresh, apply_edits, refresh_docs
 
@@ -312,3 +315,26 @@ def test_status_page_names_a_pinned_claims_run(root):
     assert "**pinned**" in rows[0] and "2026-11-29" in rows[0] and "2026-12-01" not in rows[0]
     assert "| 91.25 tok/s |" in rows[1] and "2026-12-01" in rows[1] and "commit `abcdef1234`" in rows[1]
     assert "Counts: 2 pinned." in site.status_page(root)
+
+
+FORGED = "tok/s | forged |\n| `bench/cpu/evil` | [x](x) | 1 | on `cpu` | **current** | unchanged | x |\n\x1b[2J"
+
+
+def test_a_records_text_stays_in_its_cell_and_line(root):
+    """A hand-edited unit (or GPU name) with `|` or a newline once forged rows of docs/status.md and lines of
+    `runbook show`."""
+    path = root / "baselines" / "bench.yaml"
+    data = yaml.safe_load(path.read_text())
+    data["profiles"]["cpu"]["metrics"]["tok_s"]["unit"] = FORGED
+    data["profiles"]["cpu"]["runs"][0]["provenance"]["gpu"] = {"count": 1, "names": ["GPU\n| forged |"]}
+    path.write_text(yaml.safe_dump(data))
+    page(root, "x <!-- claim: bench/cpu/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s\n")
+    (root / "runbooks").mkdir(exist_ok=True)
+    table = [r for r in site.status_page(root).splitlines() if r.startswith("|")]
+    assert len(table) == 3, table  # the header, its rule, one row
+    assert all(len(re.findall(r"(?<!\\)\|", r)) == 8 for r in table), table  # 7 cells each
+    shown = CliRunner().invoke(main, ["--root", str(root), "show", "bench"])
+    assert shown.exit_code == 0, shown.output
+    lines = shown.stdout.splitlines()
+    assert len(lines) == 5 and "\x1b" not in shown.stdout, lines  # name, header, rule, one metric, one run
+    assert lines[3].split()[:2] == ["cpu", "tok_s"] and "\\n" in lines[3]

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from jupyter_core.utils import ensure_event_loop
 
 from specbook import fsutil, provenance, records
@@ -28,8 +29,8 @@ def _here() -> str:
     return provenance.profile_of(provenance.gpus())
 
 
-def _runbook_cmd(root: Path, *args: str, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "SPECBOOK_ROOT": str(root)}
+def _runbook_cmd(root: Path, *args: str, env: dict | None = None, **kwargs) -> subprocess.Popen:
+    env = {**(os.environ if env is None else env), "SPECBOOK_ROOT": str(root)}
     return subprocess.Popen([sys.executable, "-m", "specbook.cli", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kwargs)
 
@@ -37,7 +38,7 @@ def _runbook_cmd(root: Path, *args: str, **kwargs) -> subprocess.Popen:
 def _run(i: int) -> dict:
     date = f"2026-11-29T14:00:{i:02d}Z"
     return {"id": f"run-{i}", "date": date, "source": "measured", "inputs_hash": "h", "parameters": {},
-            "provenance": {"git_commit": "c"}}
+            "provenance": {"git_commit": "c0ffee0"}}
 
 
 def _write_record(root: Path, name: str, value: float = 1.0) -> None:
@@ -105,6 +106,45 @@ def test_a_failed_dependency_build_is_not_taken_for_done(tmp_path, cpu_machine):
     assert (outputs / "model.txt").exists() and not (outputs / "DONE").exists()
 
 
+REBUILT = runbook_text(profiles=f"{{{_here()}: {{}}}}", params='outputs_dir = ""', body="""
+    import os, time
+    from pathlib import Path
+    Path(outputs_dir, "value").write_text("5")  # half way through its build
+    time.sleep(float(os.environ.get("UP_SLEEP", "0")))
+    Path(outputs_dir, "value").write_text("10")
+    record("value", 10.0, unit="n", direction="none")
+""")
+
+READS_LATE = runbook_text(profiles=f"{{{_here()}: {{}}}}", extra_header="depends: [up]", params="upstream = {}",
+                          body="""
+    import os, time
+    from pathlib import Path
+    Path(os.environ["DOWN_STARTED"]).write_text("reading")
+    time.sleep(10)  # work before it reads its dependency's outputs
+    record("value", float(Path(upstream["up"], "value").read_text()), unit="n", direction="none")
+""")
+
+
+def test_a_dependency_is_not_rebuilt_under_a_run_that_reads_it(tmp_path):
+    """`runbook run up` while `run down`, started earlier, reads up's outputs: up once rebuilt them in place, and
+    down recorded 5 where the answer is 10. The rebuild now waits for its reader."""
+    root = make_repo(tmp_path / "repo", up=REBUILT, down=READS_LATE)
+    started = tmp_path / "down-started"
+    env = {**os.environ, "DOWN_STARTED": str(started)}
+    down = _runbook_cmd(root, "run", "down", "--json", env=env)
+    deadline = time.monotonic() + 120
+    while not started.exists() and down.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert started.exists(), down.communicate()
+    up = _runbook_cmd(root, "run", "up", "--json", env={**env, "UP_SLEEP": "12"})
+    out, err = down.communicate(timeout=180)
+    assert down.returncode == 0, err
+    assert [r["measured"] for r in json.loads(out) if r["runbook"] == "down"] == [10.0], err
+    up_out, up_err = up.communicate(timeout=180)
+    assert up.returncode == 0 and "waiting for the runs that read up" in up_err, up_err
+    assert json.loads(up_out)[0]["measured"] == 10.0
+
+
 # ------------------------------------------------------------------------------- 2. one malformed record file
 
 def test_one_malformed_record_does_not_hide_the_others(tmp_path, cpu_machine):
@@ -128,6 +168,47 @@ def test_one_malformed_record_does_not_hide_the_others(tmp_path, cpu_machine):
     assert "good @ cpu" in r.stdout
 
     assert cli(root, "status", "good").exit_code == 1  # stale; the broken file is not asked about
+
+
+def _big_value(d: dict) -> None:
+    d["profiles"]["cpu"]["metrics"]["x"]["value"] = 10 ** 400
+
+
+def _int_profile(d: dict) -> None:
+    d["profiles"][1] = d["profiles"].pop("cpu")
+
+
+def _gpu_count(d: dict) -> None:
+    d["profiles"]["cpu"]["runs"][0]["provenance"]["gpu"] = {"count": "x"}
+
+
+def _versions_list(d: dict) -> None:
+    d["profiles"]["cpu"]["runs"][0]["provenance"]["versions"] = ["x"]
+
+
+@pytest.mark.parametrize("edit, field", [
+    (_big_value, "profiles.cpu.metrics.x: needs a numeric value"),
+    (_int_profile, "profiles.1: a profile name must be a string"),
+    (_gpu_count, "profiles.cpu.runs[0].provenance.gpu.count: must be a count (a whole number >= 0), not 'x'"),
+    (_versions_list, "profiles.cpu.runs[0].provenance.versions: must be a mapping with string keys, not ['x']"),
+])
+def test_a_hand_edited_field_of_the_wrong_type_is_named_and_hides_nothing(tmp_path, cpu_machine, edit, field):
+    """Each of these once crashed every command (exit 3; `list` printed nothing)."""
+    root = make_repo(tmp_path, good=runbook_text(), bad=runbook_text())
+    _write_record(root, "good", 7.0)
+    _write_record(root, "bad")
+    data = baseline(root, "bad")
+    edit(data)
+    (root / "baselines" / "bad.yaml").write_text(yaml.safe_dump(data))
+    for args in (("list",), ("status",), ("context",), ("show", "good")):
+        r = cli(root, *args)
+        if args[0] == "show":
+            assert r.exit_code == 0 and "good" in r.stdout, r.output
+            continue
+        _one_line(r, 2, "bad.yaml", field)
+        assert "good" in r.stdout, (args, r.stdout)
+    _one_line(cli(root, "show", "bad"), 2, "bad.yaml", field)
+    _one_line(cli(root, "verify", "bad"), 2, "bad.yaml", field)
 
 
 def test_exit_code_epilog_names_malformed_records():
@@ -282,10 +363,10 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def _run_dir(root: Path, name: str, pid: int, age_s: float) -> Path:
+def _run_dir(root: Path, name: str, pid: int, age_s: float, failed: bool = False) -> Path:
     d = root / ".specbook" / "runs" / name
     d.mkdir(parents=True)
-    (d / "owner.json").write_text(json.dumps({"pid": pid}))
+    (d / "owner.json").write_text(json.dumps({"pid": pid, **({"failed": "2026-12-01T00:00:00Z"} if failed else {})}))
     (d / "x.ipynb").write_text("{}")
     t = time.time() - age_s
     for p in (d / "owner.json", d / "x.ipynb", d):
@@ -299,7 +380,7 @@ def test_stale_run_directories_are_removed_at_the_start_of_a_run(tmp_path, cpu_m
     legacy = root / ".specbook" / "runs" / "legacy-cpu-old"  # from before runs named their owner
     legacy.mkdir()
     os.utime(legacy, (time.time() - 2 * 86400,) * 2)
-    failed = _run_dir(root, "failed-cpu-recent", _dead_pid(), 60)  # its error message named it an hour ago
+    failed = _run_dir(root, "failed-cpu-recent", _dead_pid(), 60, failed=True)  # its error message named it
     running = _run_dir(root, "running-cpu-old", os.getpid(), 2 * 86400)  # a long run still going
 
     assert cli(root, "run", "--record", "bench").exit_code == 0
@@ -329,6 +410,56 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     assert "Traceback" not in err and "Error" not in err, err
     assert not (root / "baselines" / "slow.yaml").exists()
     assert not list((root / ".specbook" / "runs").iterdir())  # no message names the interrupted run's notebook
+
+
+LINGERS = runbook_text(profiles=f"{{{_here()}: {{}}}}", body="""
+    import os, subprocess, time
+    child = subprocess.Popen(["sleep", "300"])  # what the runbook's code starts: a server, a worker
+    with open("pids.tmp", "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    os.replace("pids.tmp", "pids")
+    time.sleep(300)
+""")
+
+
+def _gone(pid: int) -> bool:
+    """Whether a process has ended (a zombie waiting for a parent that is gone has ended too)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_killed_run_leaves_no_kernel_and_no_run_directory(tmp_path, sig):
+    """`kill` (SIGTERM) or `kill -9` of `runbook run` once left the kernel running the runbook's code, its children,
+    and .specbook/runs/... behind. SIGTERM: the kernel's process group is killed, the run directory removed, exit
+    143. SIGKILL cannot be caught: the kernel sees its parent gone and kills its group, and the next run removes the
+    directory of a run whose process is gone."""
+    root = make_repo(tmp_path, slow=LINGERS, quick=runbook_text(profiles=f"{{{_here()}: {{}}}}"))
+    log = tmp_path / "stderr"
+    with open(log, "w") as f:  # not a pipe: what outlives the command would hold it open
+        proc = subprocess.Popen([sys.executable, "-m", "specbook.cli", "--root", str(root), "run", "slow"],
+                                stdout=subprocess.DEVNULL, stderr=f, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (root / "pids").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+        time.sleep(0.1)
+    pids = [int(p) for p in (root / "pids").read_text().split()]
+    os.kill(proc.pid, sig)  # the command alone, as `kill PID` or a supervisor's timeout sends it
+    proc.wait(timeout=60)
+    err = log.read_text()
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 143 and err.strip().splitlines()[-1] == "terminated", err
+        assert not list((root / ".specbook" / "runs").iterdir())
+    deadline = time.monotonic() + 20
+    while not all(map(_gone, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [p for p in pids if not _gone(p)] == [], "the kernel or its child outlived the run"
+    if sig == signal.SIGKILL:
+        assert len(list((root / ".specbook" / "runs").iterdir())) == 1
+        assert cli(root, "run", "quick").exit_code == 0  # the next run: the dead run's directory goes
+        assert not list((root / ".specbook" / "runs").iterdir())
 
 
 def test_ctrl_c_leaves_no_traceback_of_the_abandoned_cell(tmp_path, cpu_machine, caplog):
@@ -390,3 +521,50 @@ def test_unknown_profiles_name_the_known_ones(tmp_path, args, cpu_machine):
     root = make_repo(tmp_path, bench=runbook_text(profiles="{cpu: {}, cpu.dsv3: {}}"))
     records.add_run(root, "bench", "h200", _run(0), [make_metric("x", 1.0, unit="u")])
     _one_line(cli(root, *args), 2, f"unknown profile '{args[-1]}'; known profiles: cpu, cpu.dsv3, h200")
+
+
+# ------------------------------------------------------------------------------- an input that cannot be hashed here
+
+def _corpus_repo(tmp_path: Path, monkeypatch, archives: str) -> Path:
+    """A repository whose runbook declares the real corpus input, its record claimed in docs, and a corpus
+    directory of this machine holding `archives`: "corrupt" (every pinned archive, damaged) or "none"."""
+    from engine.train import corpus
+
+    root = make_repo(tmp_path / "repo", a=runbook_text(extra_header="inputs: [corpus]"))
+    with open(root / "pyproject.toml", "a") as f:
+        f.write('\n[tool.specbook.inputs]\ncorpus = "engine.train.corpus:manifest_hash"\n')
+    _write_record(root, "a")
+    (root / "docs").mkdir()
+    (root / "docs" / "p.md").write_text("---\ntitle: P\nstatus: current\nupdated: 2026-12-01\nrunbooks: []\n"
+                                        "records: []\n---\n\nx is <!-- claim: a/cpu/x fmt=.1f -->1.0<!-- /claim --> u\n")
+    (root / "docs" / "status.md").write_text("committed\n")
+    here = tmp_path / "corpus"
+    here.mkdir()
+    if archives == "corrupt":
+        for pin in corpus.pins():
+            (here / pin.filename).write_bytes(b"not the archive")
+    monkeypatch.setenv(corpus.DIR_ENV, str(here))
+    corpus.scan.cache_clear()  # this process may have scanned the real corpus (a failed scan is not cached)
+    return root
+
+
+def test_a_damaged_local_corpus_is_never_written_into_the_committed_status_page(tmp_path, monkeypatch, cpu_machine):
+    """It once made `runbook site` write "failed" for every number into docs/status.md: a problem of this machine,
+    not of the records."""
+    root = _corpus_repo(tmp_path, monkeypatch, "corrupt")
+    r = cli(root, "site")
+    _one_line(r, 3, "input corpus unavailable", "does not match its pinned sha256", "unknown here")
+    assert (root / "docs" / "status.md").read_text() == "committed\n"
+    assert not (root / "docs" / "llms.txt").exists()
+
+
+def test_site_check_fetches_nothing(tmp_path, monkeypatch, cpu_machine):
+    """`site --check` is documented to write nothing; it once downloaded the corpus (21 MB) to hash it."""
+    from engine.train import corpus
+
+    root = _corpus_repo(tmp_path, monkeypatch, "none")
+    fetched = []
+    monkeypatch.setattr(corpus, "_pip_download", lambda batch, dest: fetched.append(batch))
+    r = cli(root, "site", "--check")
+    _one_line(r, 3, "not in", "SPECBOOK_OFFLINE forbids fetching them", "unknown here")
+    assert fetched == [] and list((tmp_path / "corpus").iterdir()) == []

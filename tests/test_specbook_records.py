@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from click.testing import CliRunner
+
 from specbook import SpecbookError, records
+from specbook.cli import main
 from specbook.record import Metric, make_metric, read_metrics, record
 from specbook_testing import make_repo
 
@@ -19,7 +22,7 @@ from specbook_testing import make_repo
 def _run(i: int, source: str = "measured") -> dict:
     date = f"2026-11-29T14:{i // 60:02d}:{i % 60:02d}Z"
     return {"id": records.new_run_id(date), "date": date, "source": source, "inputs_hash": "h",
-            "parameters": {"i": i}, "provenance": {"git_commit": "c"}}
+            "parameters": {"i": i}, "provenance": {"git_commit": "c0ffee0"}}
 
 
 @pytest.fixture
@@ -218,7 +221,7 @@ def test_record_rejects_bad_input(kwargs, message):
         make_metric(unit="u", **kwargs)
 
 
-def test_a_sent_copy_is_named_by_its_sender_not_by_the_git_that_came_along(tmp_path, monkeypatch):
+def test_a_sent_copy_is_named_by_its_sender_not_by_the_git_that_came_along(tmp_path, tmp_path_factory, monkeypatch):
     """A lent GPU machine may receive a .git at an older commit plus the sent files as changes; the records must
     name the commit that was sent (SPECBOOK_GIT_COMMIT), not that HEAD marked dirty. Without it: git itself."""
     from specbook.provenance import _git_state
@@ -236,11 +239,29 @@ def test_a_sent_copy_is_named_by_its_sender_not_by_the_git_that_came_along(tmp_p
     monkeypatch.delenv("SPECBOOK_GIT_COMMIT", raising=False)
     monkeypatch.delenv("SPECBOOK_GIT_DIRTY", raising=False)
     assert _git_state(tmp_path) == (head, True)
-    monkeypatch.setenv("SPECBOOK_GIT_COMMIT", "0123abc")
+    monkeypatch.setenv("SPECBOOK_GIT_COMMIT", head)
     monkeypatch.setenv("SPECBOOK_GIT_DIRTY", "0")
-    assert _git_state(tmp_path) == ("0123abc", False)
+    assert _git_state(tmp_path) == (head, False)
     monkeypatch.setenv("SPECBOOK_GIT_DIRTY", "1")
-    assert _git_state(tmp_path) == ("0123abc", True)
+    assert _git_state(tmp_path) == (head, True)
+    copy = tmp_path_factory.mktemp("sent")  # the lent machine's copy has no .git: only the id's form can be checked
+    monkeypatch.setenv("SPECBOOK_GIT_COMMIT", "f" * 40)
+    assert _git_state(copy) == ("f" * 40, True)
+
+
+@pytest.mark.parametrize("sent", ["0123abc", "--output=x", "../../x", "HEAD", "f" * 40])
+def test_a_sent_commit_is_a_full_commit_id_of_this_repository(tmp_path, monkeypatch, sent):
+    """SPECBOOK_GIT_COMMIT goes into every record's provenance, and verify hands a record's commit to git: only a
+    full id that this repository resolves (the last one it does not) is written; anything else is one line, exit 2,
+    before anything runs."""
+    root = make_repo(tmp_path)
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "x"],
+                   cwd=root, check=True)
+    monkeypatch.setenv("SPECBOOK_GIT_COMMIT", sent)
+    r = CliRunner().invoke(main, ["--root", str(root), "env"])
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
+    assert f"SPECBOOK_GIT_COMMIT={sent!r}" in r.stderr, r.stderr
 
 
 def test_site_waits_for_the_docs_lock(root):

@@ -3,9 +3,12 @@
 import datetime as dt
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from specbook import provenance, records
 from specbook import verify as verify_module
@@ -423,3 +426,109 @@ def test_verify_re_measures_a_dependency_once_before_its_dependents(tmp_path):
     assert (root / "z.count").read_text() == "x" and (root / "a.count").read_text() == "x"
     ran = [m for m in logged if m.startswith("running ")]
     assert [m.split()[1] for m in ran] == ["z", "a"]
+
+
+def committed_repo(root: Path) -> str:
+    """`root` (a make_repo) as a git repository with one commit; returns the commit."""
+    (root / ".gitignore").write_text(".specbook/\n")
+    git(root, "init", "-q")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "x")
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.mark.parametrize("recorded", ["--output=NOTES.md", "../../../vic", "HEAD", "HEAD~0", "0" * 40, "-h",
+                                      None, 40])
+def test_the_recorded_commits_tree_is_taken_only_for_a_commit_git_verifies(tmp_path, recorded):
+    """A record's git_commit is an input: `--output=NOTES.md` once reached `git archive` as an option (truncating a
+    file) and `../../../vic` became a path whose `.tmp` sibling outside the repository was deleted."""
+    root = make_repo(tmp_path / "repo", a=runbook_text())
+    (root / "NOTES.md").write_text("notes\n")
+    head = committed_repo(root)
+    outside = tmp_path / "vic.tmp"
+    outside.mkdir()
+    (outside / "keep").write_text("keep\n")
+    assert verify_module.baseline_tree(root, recorded) is None
+    assert (root / "NOTES.md").read_text() == "notes\n" and (outside / "keep").read_text() == "keep\n"
+    assert not (root / ".specbook" / "ab").exists() and not (tmp_path / "vic").exists()
+    assert verify_module.baseline_tree(root, head) == root / ".specbook" / "ab" / head[:12]
+
+
+def test_a_record_naming_no_commit_is_refused_by_name(tmp_path):
+    """The same record through the command: one line naming the file and the field, exit 2, nothing touched."""
+    root = make_repo(tmp_path / "repo", a=runbook_text(), b=runbook_text())
+    (root / "NOTES.md").write_text("notes\n")
+    committed_repo(root)
+    _record_current(root, "a")
+    _record_current(root, "b")
+    data = baseline(root, "a")
+    data["profiles"]["cpu"]["runs"][0]["provenance"]["git_commit"] = "--output=NOTES.md"
+    (root / "baselines" / "a.yaml").write_text(yaml.safe_dump(data))
+    r = cli(root, "verify", "a")
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
+    assert "baselines/a.yaml: profiles.cpu.runs[0].provenance.git_commit: must be a commit id" in r.stderr
+    assert (root / "NOTES.md").read_text() == "notes\n"
+    listed = cli(root, "list")
+    assert listed.exit_code == 2 and "cpu: current" in listed.stdout  # b is still shown
+
+
+EXTRACT = """
+import sys, time
+from pathlib import Path
+from specbook.verify import baseline_tree
+root, commit, start = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+time.sleep(max(0.0, start - time.time()))  # every process extracts at the same moment
+print(baseline_tree(root, commit))
+"""
+
+
+def test_verifies_at_once_extract_the_recorded_commit_once_and_leave_nothing_behind(tmp_path):
+    """Two verifies that need the recorded commit's tree at once once failed (`Directory not empty`,
+    `FileExistsError`) and left a `.tmp` directory."""
+    root = make_repo(tmp_path, a=runbook_text())
+    for i in range(300):  # enough files that the extractions overlap
+        (root / "runbooks" / f"data{i}.txt").write_text("x" * 1000)
+    head = committed_repo(root)
+    start = time.time() + 8  # after every process has imported specbook
+    procs = [subprocess.Popen([sys.executable, "-c", EXTRACT, str(root), head, str(start)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    dest = root / ".specbook" / "ab" / head[:12]
+    assert [(p.returncode, out.strip()) for p, (out, _) in zip(procs, outs)] == [(0, str(dest))] * 4, outs
+    assert sorted(p.name for p in dest.parent.iterdir()) == [dest.name]  # no temporary directory left
+    assert len(list((dest / "runbooks").glob("data*.txt"))) == 300
+
+
+def test_in_a_shallow_clone_the_verdict_says_the_recorded_commit_is_missing(tmp_path, monkeypatch):
+    """`git clone --depth 1` has no recorded commit to compare with: the verdict is then against the record alone,
+    which the detail says, with what would bring the commit."""
+    root = recorded_in_git(tmp_path / "repo", "speed", SPEED_RUNBOOK, "MS = 1.0\n")
+    (root / "engine" / "speed.py").write_text("MS = 1.0  # refactored\n")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "refactor")
+    git(tmp_path, "clone", "-q", "--depth", "1", f"file://{root}", "clone")
+    monkeypatch.setattr(verify_module, "side_by_side_here", lambda: False)
+    logged = []
+    [v] = verify(tmp_path / "clone", "cpu", progress=False, log=logged.append)
+    assert v.state == FRESH
+    assert "is missing from this shallow clone (`git fetch --unshallow` fetches the history)" in v.detail, v.detail
+    assert "judged against the record alone" in v.detail and not any("interleaved" in m for m in logged)
+
+
+def test_a_record_made_with_uncommitted_changes_is_not_judged_against_its_clean_commit(tmp_path, monkeypatch):
+    """Recorded with the engine slowed down but not committed (git_dirty): the commit's tree runs the faster engine,
+    and against it an unchanged measurement read "drifted (regression)"."""
+    root = make_repo(tmp_path, speed=SPEED_RUNBOOK)
+    (root / "engine").mkdir()
+    (root / "engine" / "speed.py").write_text("MS = 1.0\n")
+    committed_repo(root)
+    (root / "engine" / "speed.py").write_text("MS = 2.0\n")  # measured, never committed
+    assert cli(root, "run", "speed", "--record").exit_code == 0
+    assert baseline(root, "speed")["profiles"]["cpu"]["runs"][0]["provenance"]["git_dirty"] is True
+    (root / "engine" / "speed.py").write_text("MS = 2.0  # refactored\n")
+    monkeypatch.setattr(verify_module, "side_by_side_here", lambda: False)
+    logged = []
+    [v] = verify(root, "cpu", progress=False, log=logged.append)
+    assert (v.state, v.change) == (FRESH, None), v.detail
+    assert "tree does not reproduce the record's engine hash; it was recorded with uncommitted changes" in v.detail
+    assert not any("interleaved" in m for m in logged), logged

@@ -42,6 +42,7 @@ MAX_FILE_BYTES = 512 * 1024  # beyond this: generated tables and vendored blobs
 SPLITS = {"train": (0, 90), "validation": (90, 95), "test": (95, 100)}  # percent ranges of the hash
 LOCK = Path(__file__).with_name("corpus.lock.toml")
 DIR_ENV, CACHE_ENV = "SPECBOOK_CORPUS_DIR", "SPECBOOK_CACHE"
+OFFLINE_ENV = "SPECBOOK_OFFLINE"  # set (not 0): nothing is downloaded, a missing archive is an error instead
 # A wheel is looked up as a pure-Python one for the oldest Python the project supports, whatever runs pip: the same
 # file is chosen on every machine (its sha256 is pinned, so any other choice would be refused anyway).
 WHEEL_TARGET = ("--platform", "any", "--implementation", "py", "--abi", "none", "--python-version", "3.10")
@@ -160,11 +161,14 @@ def _pip_download(batch: list[Pin], dest: Path) -> None:
 def fetch(lock: Path | None = None, directory: Path | None = None,
           say: Callable[[str], None] = _say) -> dict[Pin, Path]:
     """The pinned archives in `directory` (default corpus_dir()), each verified; missing ones are fetched first with
-    pip (exact version, hash-checked) into a temporary directory and moved in only once they match. A complete
-    directory is only read, so a read-only copy serves as well."""
+    pip (exact version, hash-checked) into a temporary directory and moved in only once they match, unless
+    SPECBOOK_OFFLINE is set. A complete directory is only read, so a read-only copy serves as well."""
     directory = directory or corpus_dir()
     todo = pins(lock)
-    if any(not (directory / p.filename).is_file() for p in todo):
+    if missing := [p.filename for p in todo if not (directory / p.filename).is_file()]:
+        if os.environ.get(OFFLINE_ENV, "0") not in ("", "0"):
+            raise EngineError(f"{len(missing)} corpus archive(s) not in {directory} ({missing[0]}, ...), and "
+                              f"{OFFLINE_ENV} forbids fetching them")
         try:
             _fetch_missing(todo, directory, say)
         except OSError as e:
