@@ -503,7 +503,7 @@ def test_in_a_shallow_clone_the_verdict_says_the_recorded_commit_is_missing(tmp_
     """`git clone --depth 1` has no recorded commit to compare with: the verdict is then against the record alone,
     which the detail says, with what would bring the commit."""
     root = recorded_in_git(tmp_path / "repo", "speed", SPEED_RUNBOOK, "MS = 1.0\n")
-    (root / "engine" / "speed.py").write_text("MS = 1.0  # refactored\n")
+    (root / "engine" / "speed.py").write_text("MS = 2.0 / 2\n")  # refactored: the same number
     git(root, "add", "-A")
     git(root, "commit", "-qm", "refactor")
     git(tmp_path, "clone", "-q", "--depth", "1", f"file://{root}", "clone")
@@ -525,7 +525,7 @@ def test_a_record_made_with_uncommitted_changes_is_not_judged_against_its_clean_
     (root / "engine" / "speed.py").write_text("MS = 2.0\n")  # measured, never committed
     assert cli(root, "run", "speed", "--record").exit_code == 0
     assert baseline(root, "speed")["profiles"]["cpu"]["runs"][0]["provenance"]["git_dirty"] is True
-    (root / "engine" / "speed.py").write_text("MS = 2.0  # refactored\n")
+    (root / "engine" / "speed.py").write_text("MS = 4.0 / 2\n")  # refactored: the same number
     monkeypatch.setattr(verify_module, "side_by_side_here", lambda: False)
     logged = []
     [v] = verify(root, "cpu", progress=False, log=logged.append)
