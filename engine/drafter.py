@@ -233,7 +233,8 @@ def set_draft_vocab(drafter: Eagle3Drafter, draft_vocab_ids: torch.Tensor) -> No
 
 def new_drafter(target_cfg: ModelConfig, draft_vocab_ids: torch.Tensor, embedding: nn.Embedding | None = None,
                 aux_layers: tuple[int, ...] | None = None, seed: int = 0, device: str | torch.device = "cpu",
-                dtype: str | torch.dtype = "float32", kernels: Kernels | None = None, **overrides: Any) -> Eagle3Drafter:
+                dtype: str | torch.dtype = "float32", kernels: Kernels | None = None, **overrides: Any
+                ) -> Eagle3Drafter:
     """A randomly initialised drafter for `target_cfg` (for training); pass the target's embedding to share it.
     `overrides` change the draft layer's dimensions (intermediate_size, num_attention_heads, ...); `kernels` what
     its modules run (default: the engine's)."""

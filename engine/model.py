@@ -228,6 +228,17 @@ class Transformer(StaticCacheModule):
         self.max_seq_len = 0
         self._set_rope(min(cfg.max_position_embeddings, DEFAULT_ROPE_LEN), None)
 
+    def with_kernels(self, kernels: Kernels) -> Transformer:
+        """This model built with other kernel choices, its parameters and buffers shared (not copied): the B side
+        of an A/B (scripts/ab-decode.py). Without caches, as built."""
+        with torch.device("meta"):
+            twin = Transformer(self.cfg, kernels)
+        twin.load_state_dict(self.state_dict(), strict=True, assign=True)
+        if self.cfg.tie_word_embeddings:
+            twin.lm_head.weight = twin.embed_tokens.weight
+        twin._set_rope(self.rope_cos.shape[0], self.device)
+        return twin.train(self.training)
+
     def setup_caches(self, max_seq_len: int, batch_size: int = 1) -> None:
         """Preallocate every layer's cache for max_seq_len tokens; from now on forwards read and write it."""
         dev, dt = self.device, self.dtype

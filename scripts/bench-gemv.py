@@ -93,10 +93,7 @@ def time_product(n: int, k: int, m: int, samples: int, gen: torch.Generator) -> 
         err = {name: ((calls[0]().float() - want).abs().max() / want.abs().max()).item()
                for name, calls in variants.items()}
         graphs = {name: graph_of(calls, REPLAYS) for name, calls in variants.items()}
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for i in range(samples):
-        for name in (list(variants) if i % 2 == 0 else list(reversed(variants))):
-            times[name].append(us_per_call(graphs[name], REPLAYS * copies))
+    times = us_per_call(graphs, REPLAYS * copies, samples)
     del graphs, ws
     return [{"variant": name, "us": statistics.median(t), "gb_s": 2 * n * k / statistics.median(t) / 1e3,
              "spread": max(t) / min(t), "rel_err_vs_cublas": err[name]} for name, t in times.items()]

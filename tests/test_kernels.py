@@ -2,6 +2,7 @@
 runbook parameter needs, the CLI's --kernels - and its dispatch-by-name rule: a kernel that no run chooses is named
 nowhere in the code a default run reaches (what keeps landing one from staling a record's fingerprint)."""
 import ast
+import importlib
 import json
 import subprocess
 import sys
@@ -193,8 +194,8 @@ def test_no_kernel_that_lands_off_is_reached_by_name_from_a_default_run():
     defs = engine_definitions()
     default = reached(defs, set(ENTRY_POINTS))
     k = Kernels()
-    marked = {name for choice, home in HOMES.items()
-              for name, v in vars(__import__(home, fromlist=["_"])).items() if choice in getattr(v, "kernel_choices", ())}
+    marked = {name for choice, home in HOMES.items() for name, v in vars(importlib.import_module(home)).items()
+              if choice in getattr(v, "kernel_choices", ())}
     chosen_by_default = {getattr(k, c) for c in HOMES}
     off = marked - chosen_by_default - {"sdpa"}  # sdpa: also split_kv's own fallback, today's code
     assert off == {"few_rows", "grouped_merge", "fused_add_norm", "fused_swiglu"}
