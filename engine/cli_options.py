@@ -145,6 +145,17 @@ def int_list(minimum: int, maximum: int = INT_LIST_MAX
     return parse
 
 
+def kernels_option(ctx: click.Context, param: click.Parameter, value: str | None):
+    """A click callback: 'CHOICE=VALUE,...' -> engine.kernels.Kernels (bad input: exit 2, one line)."""
+    from engine.errors import EngineError
+    from engine.kernels import Kernels
+
+    try:
+        return Kernels.parse(value)
+    except EngineError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 def engine_options(max_seq_len: int | None, max_seq_len_help: str,
                    extra: Sequence[Callable[[Callable], Callable]] = (),
                    compile_help: str = "") -> Callable[[Callable], Callable]:
@@ -173,6 +184,9 @@ def engine_options(max_seq_len: int | None, max_seq_len_help: str,
                      help="Tokens per verify, the root included [default: steps*topk+1; a chain: steps+1]."),
         click.option("--eager-verify", is_flag=True, help="Run the verify forward without CUDA graphs (the slow "
                                                           "path of the game plan, for comparison)."),
+        click.option("--kernels", default=None, metavar="CHOICE=VALUE,...", callback=kernels_option,
+                     help="Kernel choices (engine/kernels.py: the fields of Kernels), e.g. "
+                          "'linear=cublas,fuse_merge=false' [default: the engine's]."),
         click.option("--compile", "compile_", is_flag=True,
                      help="torch.compile inside the CUDA graphs (fuses small ops): the decode step's forward, or with "
                           "--drafter the draft steps and verify" + compile_help + "."),

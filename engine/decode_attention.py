@@ -12,10 +12,19 @@ The merge: with a cache's `merge_counts` (one int32 per batch row and KV head, z
 the block that finishes a KV head's last split merges all of them in the same kernel (each block counts itself in with an atomic
 add; the last one also sets the count back to zero, so a CUDA graph replays it as captured). Without counts, a
 second kernel merges. Both sum the splits in split order, so the result does not depend on which block came last.
+The merge's loop is a choice by name (engine.kernels `merge`): `unrolled_merge` unrolls it over every split, so all
+their loads are in flight at once; `grouped_merge` (off by default) does so only for a decode step's narrow
+partials and unrolls a register-sized group of splits at a time for a verify's wider ones, which over all the splits
+of a long context spill (scripts/kernel-report.py); same sums, same order. Which attention runs at all, and whether
+the merge is fused, are choices too (engine.model.split_kv, Kernels.fuse_merge).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from engine.kernels import implements
 
 try:
     import triton
@@ -31,24 +40,19 @@ TARGET_BLOCKS = 264  # two blocks per SM of an H100/H200 (132 SMs)
 FUSE_MAX_SPLITS = 16
 
 
-enabled = True  # benchmarks switch it off to time SDPA on the same model
-fuse_merge = True  # benchmarks switch it off to time the merge as a kernel of its own
-
-
 def available(q: torch.Tensor, k: torch.Tensor, rows: int) -> bool:
     # half precision only: in float32 tl.dot would round through TF32 where SDPA does not
-    return (enabled and triton is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    return (triton is not None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
             and rows <= MAX_ROWS and k.stride(-1) == 1 and q.shape[-1] in (64, 128, 256))
 
 
 if triton is not None:
 
     @triton.jit
-    def _splitkv_partial(Q, K, V, Mask, O, ML, Out, Counts, S, T, n_kv,
-                         sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_t, so_b, so_h, so_r,
-                         R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                         BLOCK_N: tl.constexpr, PER_SPLIT: tl.constexpr, N_SPLIT: tl.constexpr,
-                         SCALE: tl.constexpr, FUSED_MERGE: tl.constexpr):
+    def _partial(Q, K, V, Mask, O, ML, S, T, n_kv, sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_t,
+                 R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PER_SPLIT: tl.constexpr, N_SPLIT: tl.constexpr, SCALE: tl.constexpr):
+        """This block's split of one KV head: the partial softmax of all its query rows, stored to O and ML."""
         bh, split = tl.program_id(0), tl.program_id(1)
         b, h = bh // n_kv, bh % n_kv
         rows = tl.arange(0, BLOCK_R)
@@ -81,11 +85,25 @@ if triton is not None:
         tl.store(O + (base + rows[:, None]) * DV + dv[None, :], acc, mask=real[:, None])
         tl.store(ML + (base + rows) * 2, m, mask=real)
         tl.store(ML + (base + rows) * 2 + 1, l, mask=real)
+
+    @triton.jit
+    def _last_split(Counts, bh, N_SPLIT: tl.constexpr):
+        """Whether this block stored the last split of its KV head (each block counts itself in)."""
+        tl.debug_barrier()  # every thread's partial stored before the count says so (the atomic releases them)
+        return tl.atomic_add(Counts + bh, 1, sem="acq_rel", scope="gpu") == N_SPLIT - 1
+
+    @triton.jit
+    def _splitkv_partial(Q, K, V, Mask, O, ML, Out, Counts, S, T, n_kv,
+                         sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_t, so_b, so_h, so_r,
+                         R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                         BLOCK_N: tl.constexpr, PER_SPLIT: tl.constexpr, N_SPLIT: tl.constexpr,
+                         SCALE: tl.constexpr, FUSED_MERGE: tl.constexpr):
+        _partial(Q, K, V, Mask, O, ML, S, T, n_kv, sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_t,
+                 R, BLOCK_R, D, DV, BLOCK_N, PER_SPLIT, N_SPLIT, SCALE)
         if FUSED_MERGE:
-            tl.debug_barrier()  # every thread's partial stored before the count says so (the atomic releases them)
-            done = tl.atomic_add(Counts + bh, 1, sem="acq_rel", scope="gpu")
-            if done == N_SPLIT - 1:  # the last split of this KV head: the others' partials are all written
-                _merge(O, ML, Out, b * so_b + h * so_h, so_r, bh, R, BLOCK_R, DV, N_SPLIT)
+            bh = tl.program_id(0)
+            if _last_split(Counts, bh, N_SPLIT):  # the others' partials are all written
+                _merge(O, ML, Out, (bh // n_kv) * so_b + (bh % n_kv) * so_h, so_r, bh, R, BLOCK_R, DV, N_SPLIT)
                 tl.atomic_xchg(Counts + bh, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
@@ -120,31 +138,112 @@ if triton is not None:
         _merge(O, ML, Out, (bh // n_kv) * so_b + (bh % n_kv) * so_h, so_r, bh, R, BLOCK_R, DV, N_SPLIT)
 
 
+@implements("merge")
+def unrolled_merge() -> tuple[Callable, Callable]:
+    """(partial kernel, merge kernel) whose merge unrolls its loop over every split."""
+    return _splitkv_partial, _splitkv_merge
+
+
+# ---- grouped_merge (merge): a verify's wide partials merged a register-sized group of splits at a time ----------
+if triton is not None:
+    # The merge's partials in flight: all of a decode step's splits (its real rows hold GROUPED_MERGE_TILE values a
+    # split at most: 4 query heads a KV head, head dim 128), and GROUPED_MERGE_VALUES values' worth of splits at a
+    # time of a verify's wider ones. Constexprs: kernels read them.
+    GROUPED_MERGE_TILE = tl.constexpr(4 * 128)
+    GROUPED_MERGE_VALUES = tl.constexpr(2 * 32 * 128)
+
+    @triton.jit
+    def _merge_split(O, ML, base, rows, real, dv, m_all, l, acc, DV: tl.constexpr):
+        """One split's partial added into the running (l, acc) at the common max m_all."""
+        w = tl.exp(tl.load(ML + (base + rows) * 2, mask=real, other=float("-inf"), cache_modifier=".cg") - m_all)
+        l += w * tl.load(ML + (base + rows) * 2 + 1, mask=real, other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * tl.load(O + (base + rows[:, None]) * DV + dv[None, :], mask=real[:, None], other=0.0,
+                                    cache_modifier=".cg")
+        return l, acc
+
+    @triton.jit
+    def _merge_in_groups(O, ML, Out, out_off, so_r, bh, R: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr,
+                         N_SPLIT: tl.constexpr):
+        """`_merge`'s sums in its order; a decode step's loops unroll, so every split's loads are in flight at
+        once; a wider partial (a verify's rows: over GROUPED_MERGE_TILE values in its real rows) unrolls
+        GROUPED_MERGE_VALUES values' worth of splits at a time, which the registers hold (over all the splits of a
+        long context they spill: scripts/kernel-report.py)."""
+        rows = tl.arange(0, BLOCK_R)
+        real = rows < R
+        dv = tl.arange(0, DV)
+        m_all = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        for i in tl.static_range(N_SPLIT):
+            m_all = tl.maximum(m_all, tl.load(ML + ((bh * N_SPLIT + i) * BLOCK_R + rows) * 2, mask=real,
+                                              other=float("-inf"), cache_modifier=".cg"))
+        m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+        l = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, DV], tl.float32)
+        if R * DV <= GROUPED_MERGE_TILE:
+            for i in tl.static_range(N_SPLIT):
+                l, acc = _merge_split(O, ML, (bh * N_SPLIT + i) * BLOCK_R, rows, real, dv, m_all, l, acc, DV)
+        else:
+            for i in tl.range(N_SPLIT, loop_unroll_factor=max(1, GROUPED_MERGE_VALUES // (R * DV))):
+                l, acc = _merge_split(O, ML, (bh * N_SPLIT + i) * BLOCK_R, rows, real, dv, m_all, l, acc, DV)
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # padding rows have l = 0
+        tl.store(Out + out_off + rows[:, None] * so_r + dv[None, :], out.to(Out.dtype.element_ty),
+                 mask=real[:, None])
+
+    @triton.jit
+    def _splitkv_partial_grouped(Q, K, V, Mask, O, ML, Out, Counts, S, T, n_kv,
+                                 sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_t, so_b, so_h, so_r,
+                                 R: tl.constexpr, BLOCK_R: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, PER_SPLIT: tl.constexpr, N_SPLIT: tl.constexpr,
+                                 SCALE: tl.constexpr, FUSED_MERGE: tl.constexpr):
+        _partial(Q, K, V, Mask, O, ML, S, T, n_kv, sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_t,
+                 R, BLOCK_R, D, DV, BLOCK_N, PER_SPLIT, N_SPLIT, SCALE)
+        if FUSED_MERGE:
+            bh = tl.program_id(0)
+            if _last_split(Counts, bh, N_SPLIT):
+                _merge_in_groups(O, ML, Out, (bh // n_kv) * so_b + (bh % n_kv) * so_h, so_r, bh, R, BLOCK_R, DV,
+                                 N_SPLIT)
+                tl.atomic_xchg(Counts + bh, 0, sem="relaxed", scope="gpu")
+
+    @triton.jit
+    def _splitkv_merge_grouped(O, ML, Out, so_b, so_h, so_r, n_kv,
+                               R: tl.constexpr, BLOCK_R: tl.constexpr, DV: tl.constexpr, N_SPLIT: tl.constexpr):
+        bh = tl.program_id(0)
+        _merge_in_groups(O, ML, Out, (bh // n_kv) * so_b + (bh % n_kv) * so_h, so_r, bh, R, BLOCK_R, DV, N_SPLIT)
+
+
+@implements("merge")
+def grouped_merge() -> tuple[Callable, Callable]:
+    """(partial kernel, merge kernel) whose merge unrolls a register-sized group of a verify's splits at a time."""
+    return _splitkv_partial_grouped, _splitkv_merge_grouped
+
+
 def split_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, tokens: int,
-                       merge_counts: torch.Tensor | None = None) -> torch.Tensor:
+                       merge_counts: torch.Tensor | None = None, merge: Callable | None = None,
+                       block_n: int = BLOCK_N) -> torch.Tensor:
     """q [B, Hkv, R, D] (row r: token r % tokens of one of the KV head's query heads), k [B, Hkv, S, D],
     v [B, Hkv, S, Dv], mask [tokens, S] bool -> [B, Hkv, R, Dv]. merge_counts: int32, at least B * Hkv, all zero
-    (KVCache.merge_counts): the splits merge in the same kernel; None: in a second one."""
+    (KVCache.merge_counts): the splits merge in the same kernel; None: in a second one. `merge`: an implementation
+    of the merge choice (default unrolled_merge); block_n: cached positions a tile."""
+    partial_kernel, merge_kernel = (merge or unrolled_merge)()
     B, n_kv, R, D = q.shape
     S, DV = k.shape[2], v.shape[3]
     block_r = max(16, triton.next_power_of_2(R))  # tl.dot needs 16 rows
-    n_split = max(1, min(triton.cdiv(S, BLOCK_N), TARGET_BLOCKS // (B * n_kv)))
-    per_split = triton.cdiv(triton.cdiv(S, n_split), BLOCK_N) * BLOCK_N
+    n_split = max(1, min(triton.cdiv(S, block_n), TARGET_BLOCKS // (B * n_kv)))
+    per_split = triton.cdiv(triton.cdiv(S, n_split), block_n) * block_n
     n_split = triton.cdiv(S, per_split)
     part = torch.empty(B * n_kv * n_split * block_r, DV, dtype=torch.float32, device=q.device)
     ml = torch.empty(B * n_kv * n_split * block_r, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(B, n_kv, R, DV, dtype=q.dtype, device=q.device)
     q, mask = q.contiguous(), mask.contiguous()
-    fused = merge_counts is not None and fuse_merge and n_split <= FUSE_MAX_SPLITS
+    fused = merge_counts is not None and n_split <= FUSE_MAX_SPLITS
     if fused and (merge_counts.dtype != torch.int32 or merge_counts.numel() < B * n_kv):
         raise ValueError(f"merge_counts: int32 with at least {B * n_kv} elements")
-    _splitkv_partial[(B * n_kv, n_split)](
+    partial_kernel[(B * n_kv, n_split)](
         q, k, v, mask, part, ml, out, merge_counts if fused else ml, S, tokens, n_kv,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), mask.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        R=R, BLOCK_R=block_r, D=D, DV=DV, BLOCK_N=BLOCK_N, PER_SPLIT=per_split, N_SPLIT=n_split,
+        R=R, BLOCK_R=block_r, D=D, DV=DV, BLOCK_N=block_n, PER_SPLIT=per_split, N_SPLIT=n_split,
         SCALE=D ** -0.5, FUSED_MERGE=fused, num_warps=4)
     if not fused:
-        _splitkv_merge[(B * n_kv,)](part, ml, out, out.stride(0), out.stride(1), out.stride(2), n_kv,
-                                    R=R, BLOCK_R=block_r, DV=DV, N_SPLIT=n_split, num_warps=4)
+        merge_kernel[(B * n_kv,)](part, ml, out, out.stride(0), out.stride(1), out.stride(2), n_kv,
+                                  R=R, BLOCK_R=block_r, DV=DV, N_SPLIT=n_split, num_warps=4)
     return out

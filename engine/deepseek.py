@@ -24,6 +24,7 @@ from engine.cache import MLACache
 from engine.config import ModelConfig, check_mla
 from engine.errors import EngineError
 from engine.gemv import Linear
+from engine.kernels import Kernels
 from engine.model import MLP, RMSNorm
 from engine.rope import apply_rope, yarn_mscale
 
@@ -42,7 +43,7 @@ def softmax_scale(cfg: ModelConfig) -> float:
 class MLAttention(nn.Module):
     """Multi-head latent attention with q_lora_rank set (q_a_proj, q_a_layernorm, q_b_proj) or unset (q_proj)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels | None = None):
         super().__init__()
         self.n_heads = H = cfg.num_attention_heads
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -56,13 +57,13 @@ class MLAttention(nn.Module):
         # q's first projection and kv_a_proj_with_mqa read the same input: one fused GEMV.
         q_in = ("q_a_proj", self.q_lora) if self.q_lora else ("q_proj", qk)
         self.split = {"wa": (q_in, ("kv_a_proj_with_mqa", self.rank + self.rope))}
-        self.wa = Linear(cfg.hidden_size, q_in[1] + self.rank + self.rope, bias=cfg.attention_bias)
+        self.wa = Linear(cfg.hidden_size, q_in[1] + self.rank + self.rope, bias=cfg.attention_bias, kernels=kernels)
         if self.q_lora:
             self.q_a_layernorm = RMSNorm(self.q_lora, LATENT_NORM_EPS)
-            self.q_b_proj = Linear(self.q_lora, qk, bias=False)
+            self.q_b_proj = Linear(self.q_lora, qk, bias=False, kernels=kernels)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(self.rank, H * (self.nope + self.v_dim), bias=False)
-        self.o_proj = Linear(H * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.kv_b_proj = Linear(self.rank, H * (self.nope + self.v_dim), bias=False, kernels=kernels)
+        self.o_proj = Linear(H * self.v_dim, cfg.hidden_size, bias=cfg.attention_bias, kernels=kernels)
         fused = f"{q_in[0]} + kv_a_proj_with_mqa, fused: " + ("q_lora_rank" if self.q_lora else
                                                               "num_attention_heads, qk_nope_head_dim")
         self.shape_fields = {
@@ -193,8 +194,15 @@ def ranks(x: torch.Tensor) -> torch.Tensor:
 class Experts(nn.Module):
     """The routed experts as stacked weights: gate_up_proj [E, 2I, H] (gate rows, then up), down_proj [E, H, I]."""
 
-    def __init__(self, n: int, dim: int, hidden: int):
+    def __init__(self, n: int, dim: int, hidden: int, kernels: Kernels | None = None):
         super().__init__()
+        kernels = kernels or Kernels()
+        # the decode kernels' options, resolved once (engine.kernels: fuse_shared, moe_*)
+        self.fuse_shared = kernels.fuse_shared
+        self.blocks = {"block_i": kernels.moe_block_i or moe_decode.BLOCK_I,
+                       "block_h": kernels.moe_block_h or moe_decode.BLOCK_H,
+                       "block_k": kernels.moe_block_k or moe_decode.BLOCK_K,
+                       "num_warps": kernels.moe_warps or moe_decode.NUM_WARPS}
         self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(n, dim, hidden))
         self.stack = {"gate_up_proj": ("{e}.gate_proj.weight", "{e}.up_proj.weight"),
@@ -214,10 +222,10 @@ class Experts(nn.Module):
         if torch.is_grad_enabled():
             y = self._all_experts(x, weights, idx)
         elif moe_decode.available(x, idx.shape[1]):
-            if shared is not None and moe_decode.fuse_shared and x.shape[0] <= moe_decode.SHARED_MAX_TOKENS:
+            if shared is not None and self.fuse_shared and x.shape[0] <= moe_decode.SHARED_MAX_TOKENS:
                 return moe_decode.routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj,
-                                                 shared=(shared.w13.weight, shared.down_proj.weight))
-            y = moe_decode.routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj)
+                                                 shared=(shared.w13.weight, shared.down_proj.weight), **self.blocks)
+            y = moe_decode.routed_experts(x, weights, idx, self.gate_up_proj, self.down_proj, **self.blocks)
         elif not grouped_mm_ok(x):
             y = self._all_experts(x, weights, idx)
         else:
@@ -260,12 +268,12 @@ def grouped_mm_ok(x: torch.Tensor) -> bool:
 class MoE(nn.Module):
     """Routed experts plus always-on shared experts (one MLP of n_shared_experts * moe_intermediate_size)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels | None = None):
         super().__init__()
         self.gate = Router(cfg)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size, kernels)
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-        self.shared_experts = MLP(cfg.hidden_size, shared) if shared else None
+        self.shared_experts = MLP(cfg.hidden_size, shared, kernels) if shared else None
         self.top_k = cfg.num_experts_per_tok
         self.shape_fields = {
             "gate.weight": "n_routed_experts", "gate.e_score_correction_bias": "n_routed_experts",
@@ -321,11 +329,11 @@ def check_config(cfg: ModelConfig) -> None:
     check_mla(cfg)
 
 
-def block_parts(cfg: ModelConfig, i: int) -> tuple[nn.Module, nn.Module]:
+def block_parts(cfg: ModelConfig, i: int, kernels: Kernels | None = None) -> tuple[nn.Module, nn.Module]:
     """Layer i: MLA, and a dense MLP for the first first_k_dense_replace layers, MoE after."""
     check_config(cfg)
-    mlp = MoE(cfg) if cfg.is_moe_layer(i) else MLP(cfg.hidden_size, cfg.intermediate_size)
-    return MLAttention(cfg), mlp
+    mlp = MoE(cfg, kernels) if cfg.is_moe_layer(i) else MLP(cfg.hidden_size, cfg.intermediate_size, kernels)
+    return MLAttention(cfg, kernels), mlp
 
 
 @dataclass

@@ -36,6 +36,7 @@ from engine.config import ModelConfig
 from engine.errors import EngineError
 from engine.fsutil import atomic_write
 from engine.gemv import Linear
+from engine.kernels import Kernels
 from engine.loading import init_weights, load_state, read_config, read_safetensors, resolve_dtype, weight_files
 from engine.model import DEFAULT_ROPE_LEN, MLP, Attention, RMSNorm, StaticCacheModule, hf_to_internal, internal_to_hf
 
@@ -123,14 +124,14 @@ class Eagle3Config:
 class MidLayer(nn.Module):
     """The one decoder layer; attribute names are the checkpoint's `midlayer.*` keys."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels | None = None):
         super().__init__()
         H = cfg.hidden_size
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, in_dim=2 * H)
+        self.self_attn = Attention(cfg, in_dim=2 * H, kernels=kernels)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.mlp = MLP(H, cfg.intermediate_size)
+        self.mlp = MLP(H, cfg.intermediate_size, kernels)
 
     def forward(self, emb, h, cos, sin, slots, mask):
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)
@@ -139,14 +140,16 @@ class MidLayer(nn.Module):
 
 
 class Eagle3Drafter(StaticCacheModule):
-    def __init__(self, cfg: Eagle3Config, aux_layers: tuple[int, ...], embedding: nn.Embedding | None = None):
+    def __init__(self, cfg: Eagle3Config, aux_layers: tuple[int, ...], embedding: nn.Embedding | None = None,
+                 kernels: Kernels | None = None):
         super().__init__()
         self.cfg, self.aux_layers = cfg, tuple(aux_layers)
+        self.kernels = kernels = kernels or Kernels()
         mc = cfg.model
-        self.fc = Linear(3 * cfg.feature_size, mc.hidden_size, bias=False)
-        self.midlayer = MidLayer(mc)
+        self.fc = Linear(3 * cfg.feature_size, mc.hidden_size, bias=False, kernels=kernels)
+        self.midlayer = MidLayer(mc, kernels)
         self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
-        self.lm_head = Linear(mc.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.lm_head = Linear(mc.hidden_size, cfg.draft_vocab_size, bias=False, kernels=kernels)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(mc.vocab_size, dtype=torch.bool))
         # The target's table sits in a tuple so that it is not registered: not saved, trained or moved with us.
@@ -231,9 +234,11 @@ def set_draft_vocab(drafter: Eagle3Drafter, draft_vocab_ids: torch.Tensor) -> No
 
 def new_drafter(target_cfg: ModelConfig, draft_vocab_ids: torch.Tensor, embedding: nn.Embedding | None = None,
                 aux_layers: tuple[int, ...] | None = None, seed: int = 0, device: str | torch.device = "cpu",
-                dtype: str | torch.dtype = "float32", **overrides: Any) -> Eagle3Drafter:
+                dtype: str | torch.dtype = "float32", kernels: Kernels | None = None, **overrides: Any
+                ) -> Eagle3Drafter:
     """A randomly initialised drafter for `target_cfg` (for training); pass the target's embedding to share it.
-    `overrides` change the draft layer's dimensions (intermediate_size, num_attention_heads, ...)."""
+    `overrides` change the draft layer's dimensions (intermediate_size, num_attention_heads, ...); `kernels` what
+    its modules run (default: the engine's)."""
     draft_vocab_ids = torch.as_tensor(draft_vocab_ids)
     cfg = default_config(target_cfg, int(draft_vocab_ids.numel()), **overrides)
     if cfg.hidden_size != target_cfg.hidden_size:
@@ -245,7 +250,7 @@ def new_drafter(target_cfg: ModelConfig, draft_vocab_ids: torch.Tensor, embeddin
     check_aux_layers(aux, target_cfg)
     torch.manual_seed(seed)
     with torch.device(device):
-        drafter = Eagle3Drafter(cfg, aux, embedding)
+        drafter = Eagle3Drafter(cfg, aux, embedding, kernels)
         init_weights(drafter)
     set_draft_vocab(drafter, draft_vocab_ids)
     return drafter.to(dtype=resolve_dtype(dtype))
@@ -302,9 +307,9 @@ def _rename(key: str) -> str:
 
 
 def load_drafter(path: str | Path, target: nn.Module, device: str | torch.device | None = None,
-                 dtype: str | torch.dtype | None = None) -> Eagle3Drafter:
+                 dtype: str | torch.dtype | None = None, kernels: Kernels | None = None) -> Eagle3Drafter:
     """A published-format drafter directory, checked against `target` (a Transformer). Device and dtype default
-    to the target's; d2t/t2d stay int64/bool."""
+    to the target's; d2t/t2d stay int64/bool; kernels to the target's too."""
     path = Path(path)
     cfg = read_config(path, Eagle3Config)
     sd = {_rename(k.removeprefix("model.")): v for k, v in read_safetensors(weight_files(path)).items()}
@@ -313,7 +318,8 @@ def load_drafter(path: str | Path, target: nn.Module, device: str | torch.device
     aux = aux_layers_from_ids(cfg.aux_layer_ids) if cfg.aux_layer_ids else target.cfg.default_aux_layers()
     check_aux_layers(aux, target.cfg)
     with torch.device("meta"):
-        drafter = Eagle3Drafter(cfg, aux, None if own_embedding else target.embed_tokens)
+        drafter = Eagle3Drafter(cfg, aux, None if own_embedding else target.embed_tokens,
+                                kernels or getattr(target, "kernels", None))
     check_layout(sd, drafter, str(path))
     sd["d2t"], sd["t2d"] = sd["d2t"].long(), sd["t2d"].bool()
     sd = hf_to_internal(drafter, sd)

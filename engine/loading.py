@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from engine.config import ModelConfig, check_config_mapping, fp8_block_size
 from engine.errors import EngineError
 from engine.fsutil import atomic_write
+from engine.kernels import Kernels
 from engine.model import Transformer, hf_to_internal, internal_to_hf
 from engine.shapes import shape_config
 
@@ -258,10 +259,11 @@ def to_internal(model: Transformer, sd: dict[str, torch.Tensor], where: Path) ->
     return sd
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32"
-               ) -> Transformer:
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32",
+               kernels: Kernels | None = None) -> Transformer:
     """An HF-format directory. Its config is checked against the weights' shapes (read from the safetensors headers,
-    the model built on the meta device) before the weights are read or the model allocated."""
+    the model built on the meta device) before the weights are read or the model allocated. `kernels`: what its
+    modules run (engine.kernels; default the engine's)."""
     path = Path(path)
     cfg = read_config(path)
     dtype = resolve_dtype(dtype)
@@ -270,7 +272,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: str 
     check_counts(cfg, list(shapes), path / "config.json")
     try:
         with torch.device("meta"):
-            model = Transformer(cfg)
+            model = Transformer(cfg, kernels)
     except EngineError as e:  # a config the model cannot build (e.g. an MLA option it does not implement)
         raise EngineError(f"{path / 'config.json'}: {e}") from None
     check_state(model, to_internal(model, shapes, path), str(path))
@@ -290,13 +292,13 @@ def check_seed(seed: int) -> None:
 
 
 def random_model(shape: str | ModelConfig, device: str | torch.device = "cpu",
-                 dtype: str | torch.dtype = "float32", seed: int = 0) -> Transformer:
-    """A model of a named shape with N(0, 0.02) weights, built directly on the device."""
+                 dtype: str | torch.dtype = "float32", seed: int = 0, kernels: Kernels | None = None) -> Transformer:
+    """A model of a named shape with N(0, 0.02) weights, built directly on the device; `kernels` as load_model's."""
     cfg = shape_config(shape) if isinstance(shape, str) else shape
     check_seed(seed)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = Transformer(cfg)
+        model = Transformer(cfg, kernels)
         init_weights(model)
     return model.to(dtype=resolve_dtype(dtype)).eval()
 

@@ -3,11 +3,13 @@ positions with an explicit mask - decode (T=1), chunked prefill and (tree) verif
 
 Weights are kept fused (q/k/v in `wqkv`, gate/up in `w13`) so a decode step launches fewer, larger GEMVs (at one
 row the smaller ones take `engine.gemv.Linear`'s kernel); `hf_to_internal` / `internal_to_hf` translate to and from
-the Hugging Face layout.
+the Hugging Face layout. Which kernels the modules run is the `Kernels` value the model is built with
+(engine/kernels.py): every module takes it and resolves its choices once, when it is built.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,7 @@ from engine.cache import KVCache
 from engine.config import ModelConfig
 from engine.errors import EngineError
 from engine.gemv import Linear
+from engine.kernels import Kernels, implements
 from engine.rope import apply_rope, rope_tables
 
 DEFAULT_ROPE_LEN = 4096
@@ -40,29 +43,34 @@ class Attention(nn.Module):
     """Grouped-query attention with optional q/k/v bias (Qwen2) and per-head q/k norm (Qwen3).
     `in_dim` differs from the hidden size in EAGLE-3's draft layer, whose input is concat(emb, hidden)."""
 
-    def __init__(self, cfg: ModelConfig, in_dim: int | None = None):
+    def __init__(self, cfg: ModelConfig, in_dim: int | None = None, kernels: Kernels | None = None):
         super().__init__()
+        kernels = kernels or Kernels()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_out, kv_out = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.split = {"wqkv": (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out))}
-        self.wqkv = Linear(in_dim or cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias)
-        self.o_proj = Linear(q_out, cfg.hidden_size, bias=False)
+        self.wqkv = Linear(in_dim or cfg.hidden_size, q_out + 2 * kv_out, bias=cfg.attention_bias, kernels=kernels)
+        self.o_proj = Linear(q_out, cfg.hidden_size, bias=False, kernels=kernels)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.cache: KVCache | None = None
-        # (q, k, v, mask[, merge_counts]) -> [B, H, T, Dv], k and v as cache.update returns them; TTT
-        # training swaps in its own
-        # (engine.train.drafter.unrolled)
-        self.attend: Callable[..., torch.Tensor] = grouped_attention
+        # (q, k, v, mask[, merge_counts]) -> [B, H, T, Dv], k and v as cache.update returns them: the chosen
+        # attention; TTT training swaps in its own (engine.train.drafter.unrolled)
+        self.attend: Callable[..., torch.Tensor] = attention_of(kernels)
 
     def make_cache(self, batch: int, max_seq_len: int, dtype: torch.dtype, device: torch.device) -> KVCache:
         return KVCache(batch, self.n_kv, max_seq_len, self.head_dim, dtype, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 slots: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
-        B, T, _ = x.shape
+        return self.attend_qkv(self.wqkv(x), cos, sin, slots, mask)
+
+    def attend_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   slots: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor:
+        """The layer's attention from its q/k/v projection's output [B, T, (H + 2 Hkv) D] on."""
+        B, T, _ = qkv.shape
         H, Hkv = self.n_heads, self.n_kv
-        qkv = self.wqkv(x).view(B, T, H + 2 * Hkv, self.head_dim)  # q, k and v heads side by side
+        qkv = qkv.view(B, T, H + 2 * Hkv, self.head_dim)  # q, k and v heads side by side
         if self.q_norm is not None:  # Qwen3: per-head norms before RoPE
             qk = torch.cat([self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H:H + Hkv])], dim=2)
         else:
@@ -76,21 +84,40 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                      merge_counts: torch.Tensor | None = None) -> torch.Tensor:
+def attention_of(kernels: Kernels) -> Callable[..., torch.Tensor]:
+    """The attention a Kernels value chooses, bound to its options: (q, k, v, mask[, merge_counts]) -> output."""
+    return partial(kernels.pick("attention"), fuse_merge=kernels.fuse_merge, merge=kernels.pick("merge"),
+                   block_n=kernels.attention_block_n or decode_attention.BLOCK_N)
+
+
+@implements("attention")
+def split_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+             merge_counts: torch.Tensor | None = None, fuse_merge: bool = True, merge: Callable | None = None,
+             block_n: int = decode_attention.BLOCK_N) -> torch.Tensor:
     """q [B, H, T, D], k/v [B, Hkv, S, D], mask [T, S] bool (None: causal) -> [B, H, T, Dv]. merge_counts: the
-    cache's, for the split-KV kernel.
+    cache's, for the split-KV kernel; fuse_merge, merge, block_n: its merge and tile (attention_of binds the
+    Kernels value's). Short queries on CUDA (decode, verify, draft steps) take the split-KV kernel of
+    engine.decode_attention, everything else `sdpa`."""
+    B, H, T, D = q.shape
+    kv = k.shape[1]
+    if mask is not None and decode_attention.available(q, k, H // kv * T):
+        return decode_attention.split_kv_attention(q.reshape(B, kv, H // kv * T, D), k, v, mask, T,
+                                                   merge_counts if fuse_merge else None, merge,
+                                                   block_n).reshape(B, H, T, -1)
+    return sdpa(q, k, v, mask)
+
+
+@implements("attention")
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+         merge_counts: torch.Tensor | None = None, **_split_kv: object) -> torch.Tensor:
+    """split_kv's arguments -> its result, by torch's SDPA on every device (the split-KV options unused).
 
     Each KV head's query heads are stacked along the query axis, so plain SDPA computes GQA and its fused kernels
     (memory-efficient, cuDNN) accept the mask: with enable_gqa and a mask only the math kernel runs on CUDA, and it
-    materialises the repeated K/V of the whole cache in every layer of every decode step. Short queries on CUDA
-    (decode, verify, draft steps) take the split-KV kernel of engine.decode_attention instead."""
+    materialises the repeated K/V of the whole cache in every layer of every decode step."""
     B, H, T, D = q.shape
     kv = k.shape[1]
     rep = H // kv
-    if mask is not None and decode_attention.available(q, k, rep * T):
-        return decode_attention.split_kv_attention(q.reshape(B, kv, rep * T, D), k, v, mask, T,
-                                                   merge_counts).reshape(B, H, T, -1)
     if rep == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[None, None],
                                               is_causal=mask is None)
@@ -103,11 +130,11 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, kernels: Kernels | None = None):
         super().__init__()
         self.split = {"w13": (("gate_proj", hidden), ("up_proj", hidden))}
-        self.w13 = Linear(dim, 2 * hidden, bias=False)
-        self.down_proj = Linear(hidden, dim, bias=False)
+        self.w13 = Linear(dim, 2 * hidden, bias=False, kernels=kernels)
+        self.down_proj = Linear(hidden, dim, bias=False, kernels=kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)
@@ -131,13 +158,33 @@ class Block(nn.Module):
         return self.mlp(self.post_attention_layernorm(x)), x
 
 
-def block_parts(cfg: ModelConfig, i: int) -> tuple[nn.Module, nn.Module]:
+class ProductBlock(Block):
+    """A Llama-family layer (Attention, MLP) that hands each residual add and norm, and its SwiGLU, to the product
+    after it (`Linear.add_norm`, `Linear.swiglu`: by the Kernels value's norm_prologue and swiglu_prologue, one
+    kernel at a decode step's one row, the plain ops elsewhere). Built only where a Kernels value fuses a prologue;
+    the same sums as Block's with the plain prologues."""
+
+    def forward(self, h, residual, cos, sin, slots, mask):
+        attn, mlp = self.self_attn, self.mlp
+        x, qkv = attn.wqkv.add_norm(h, residual, self.input_layernorm)
+        x, gate_up = mlp.w13.add_norm(attn.attend_qkv(qkv, cos, sin, slots, mask), x, self.post_attention_layernorm)
+        return mlp.down_proj.swiglu(gate_up), x
+
+
+def block_parts(cfg: ModelConfig, i: int, kernels: Kernels | None = None) -> tuple[nn.Module, nn.Module]:
     """The attention and feed-forward modules of layer i for this family."""
     if cfg.is_mla:
         from engine import deepseek
 
-        return deepseek.block_parts(cfg, i)
-    return Attention(cfg), MLP(cfg.hidden_size, cfg.intermediate_size)
+        return deepseek.block_parts(cfg, i, kernels)
+    return Attention(cfg, kernels=kernels), MLP(cfg.hidden_size, cfg.intermediate_size, kernels)
+
+
+def block(cfg: ModelConfig, i: int, kernels: Kernels) -> Block:
+    """Layer i: a ProductBlock where the kernels fuse a prologue into a Llama-family layer's products."""
+    attn, mlp = block_parts(cfg, i, kernels)
+    fused = kernels.fuses_prologue and type(attn) is Attention and type(mlp) is MLP
+    return (ProductBlock if fused else Block)(cfg, attn, mlp)
 
 
 class StaticCacheModule(nn.Module):
@@ -167,18 +214,30 @@ class StaticCacheModule(nn.Module):
 
 
 class Transformer(StaticCacheModule):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, kernels: Kernels | None = None):
         super().__init__()
         self.cfg = cfg
+        self.kernels = kernels = kernels or Kernels()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, *block_parts(cfg, i)) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(block(cfg, i, kernels) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, kernels=kernels)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope_cfg, self.rope_dim = cfg, cfg.qk_rope_head_dim if cfg.is_mla else cfg.head_dim
         self.max_seq_len = 0
         self._set_rope(min(cfg.max_position_embeddings, DEFAULT_ROPE_LEN), None)
+
+    def with_kernels(self, kernels: Kernels) -> Transformer:
+        """This model built with other kernel choices, its parameters and buffers shared (not copied): the B side
+        of an A/B (scripts/ab-decode.py). Without caches, as built."""
+        with torch.device("meta"):
+            twin = Transformer(self.cfg, kernels)
+        twin.load_state_dict(self.state_dict(), strict=True, assign=True)
+        if self.cfg.tie_word_embeddings:
+            twin.lm_head.weight = twin.embed_tokens.weight
+        twin._set_rope(self.rope_cos.shape[0], self.device)
+        return twin.train(self.training)
 
     def setup_caches(self, max_seq_len: int, batch_size: int = 1) -> None:
         """Preallocate every layer's cache for max_seq_len tokens; from now on forwards read and write it."""

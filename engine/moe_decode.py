@@ -40,8 +40,7 @@ BLOCK_K = 1024  # reduction width per load
 NUM_WARPS = 4
 # A decode step's shared experts run in the routed experts' launches: each program reads its rows for one token, so
 # at more tokens cuBLAS's product, which reads them once for all, is quicker (the benchmark's rows at 8 tokens).
-SHARED_MAX_TOKENS = 1
-fuse_shared = True  # benchmarks switch it off to time the shared experts apart at one token too
+SHARED_MAX_TOKENS = 1  # (Kernels.fuse_shared off: at no token count)
 
 
 def available(x: torch.Tensor, top_k: int) -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.decoding import GenerationResult
 from engine.errors import EngineError
+from engine.kernels import Kernels
 from engine.loading import check_cache_fits, check_seed, load_model, random_model, read_chat_template, \
     resolve_device, resolve_dtype
 from engine.sampling import SamplingParams
@@ -59,18 +60,20 @@ class Engine:
     def load(cls, target: str | None = None, shape: str | None = None, drafter: str | None = None,
              device: str = "cpu", dtype: str = "float32", max_seq_len: int = 2048, cuda_graphs: bool = True,
              steps: int = DEFAULT_STEPS, topk: int = DEFAULT_TOPK, draft_tokens: int | None = None,
-             eager_verify: bool = False, seed: int = 0, compile: bool = False, prefill_chunk: int = 512) -> "Engine":
+             eager_verify: bool = False, seed: int = 0, compile: bool = False, prefill_chunk: int = 512,
+             kernels: Kernels | None = None) -> "Engine":
         """A target directory (HF format) or a named random-weight shape; with `drafter`, EAGLE-3 speculation.
-        `compile`: torch.compile inside the CUDA graphs (the decode step, or the draft steps and verify)."""
+        `compile`: torch.compile inside the CUDA graphs (the decode step, or the draft steps and verify);
+        `kernels`: what the target's and the drafter's modules run (engine.kernels; default the engine's)."""
         if (target is None) == (shape is None):
             raise EngineError("give exactly one of a target directory (--target) or a random-weight shape (--shape)")
         if max_seq_len <= 1:
             raise EngineError(f"max_seq_len must be at least 2, got {max_seq_len}")
         dev, dt = resolve_device(device), resolve_dtype(dtype)
         if target is not None:
-            model, tokenizer, name = load_model(target, dev, dt), find_tokenizer(Path(target)), str(target)
+            model, tokenizer, name = load_model(target, dev, dt, kernels), find_tokenizer(Path(target)), str(target)
         else:
-            model, tokenizer, name = random_model(shape, dev, dt, seed=seed), None, shape
+            model, tokenizer, name = random_model(shape, dev, dt, seed=seed, kernels=kernels), None, shape
         check_cache_fits(model, max_seq_len)
         if drafter is None:
             decoder = TargetDecoder(model, max_seq_len, cuda_graphs=cuda_graphs, prefill_chunk=prefill_chunk,
@@ -79,7 +82,7 @@ class Engine:
             from engine.drafter import load_drafter  # speculation modules load only when asked for
             from engine.speculate import SpecDecoder
 
-            draft = load_drafter(drafter, model, device=dev, dtype=dt)
+            draft = load_drafter(drafter, model, device=dev, dtype=dt, kernels=kernels)
             decoder = SpecDecoder(model, draft, max_seq_len, steps, topk, draft_tokens, cuda_graphs=cuda_graphs,
                                   eager_verify=eager_verify, prefill_chunk=prefill_chunk,
                                   compile=compile)
@@ -138,4 +141,4 @@ class Engine:
         return {"model": self.name, "model_type": cfg.model_type, "layers": cfg.num_hidden_layers,
                 "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "device": str(self.model.device),
                 "dtype": str(self.model.dtype).removeprefix("torch."), "max_seq_len": self.max_seq_len,
-                "speculative": self.speculative}
+                "speculative": self.speculative, "kernels": str(self.model.kernels)}

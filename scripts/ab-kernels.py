@@ -14,12 +14,15 @@ For each module found in --old:
 - moe_decode: the deepseek-v3-mini experts at one token and at eight, routed and shared experts as
   deepseek.Experts runs them at each revision (the shared MLP apart where that module takes no `shared`).
 Each call runs once per layer of a graph (each layer its own inputs, so weights and caches come from memory, not
-L2), the graph replayed 10 times a sample; samples of old and new alternate. Reports the median microseconds per
-call of each, new/old, and the samples' spread (max/min). It also says whether old and new give the same bits.
+L2), the graph replayed 10 times a sample; samples of old and new alternate (engine.abtest). Reports the median
+microseconds per call of each, new/old, the samples' spread (max/min), and new's verdict against old by the paired
+2-of-3 rule (specbook/judge.py: the samples in three blocks, each block's ratio of medians a vote against
+--tolerance). It also says whether old and new give the same bits.
 
 The output is a measurement to decide with, not a record.
 
-Exit: 0 measured; 2 bad arguments; 3 no CUDA device here.
+Exit: 0 every case's verdict is one --expect names (default: new not slower); 1 some case's is not; 2 bad arguments;
+3 no CUDA device here.
 """
 from __future__ import annotations
 
@@ -37,7 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from gpu_bench import NO_CUDA, cuda_missing, graph_of, us_per_call  # noqa: E402
+from engine.abtest import ABSamples  # noqa: E402
+from gpu_bench import (NO_CUDA, add_ab_options, check_ab_options, cuda_missing, graph_of, judged,  # noqa: E402
+                       us_per_call)
 
 MODULES = ("decode_attention", "moe_decode")
 REPLAYS = 10
@@ -55,7 +60,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--old", required=True, type=Path,
                    help="a directory holding the older decode_attention.py and/or moe_decode.py")
-    p.add_argument("--samples", type=int, default=9)
+    p.add_argument("--samples", type=int, default=9, help="interleaved samples of each (default 9: three pairs of 3)")
+    add_ab_options(p, rounds=False)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     a = p.parse_args(argv)
     if not a.old.is_dir():
@@ -65,6 +71,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--old: {a.old} holds none of {', '.join(m + '.py' for m in MODULES)}")
     if a.samples < 3:
         p.error("--samples at least 3")
+    check_ab_options(p, a)
     return a
 
 
@@ -79,20 +86,22 @@ def takes(fn: Callable, name: str) -> bool:
     return name in inspect.signature(fn).parameters
 
 
-def compare(case: str, old: list[Callable], new: list[Callable], samples: int) -> dict:
+def compare(case: str, old: list[Callable], new: list[Callable], samples: int, tolerance: float, expect: str
+            ) -> dict:
     with torch.no_grad():
         same = torch.equal(old[0](), new[0]())
         graphs = {"old": graph_of(old, REPLAYS), "new": graph_of(new, REPLAYS)}
-    times: dict[str, list[float]] = {"old": [], "new": []}
-    for i in range(samples):
-        for side in ("old", "new") if i % 2 == 0 else ("new", "old"):
-            times[side].append(us_per_call(graphs[side], REPLAYS * len(old)))
+    times = us_per_call(graphs, REPLAYS * len(old), samples)
     o, n = statistics.median(times["old"]), statistics.median(times["new"])
+    rounds = samples // 3
+    verdict, code = judged(ABSamples(times["old"][:3 * rounds], times["new"][:3 * rounds], [], 3, rounds), tolerance,
+                           expect)
     return {"case": case, "old_us": o, "new_us": n, "new_over_old": n / o, "same_bits": same,
+            "verdict": verdict["verdict"], "pair_ratios": verdict["pair_ratios"], "ok": code == 0,
             "spread_old": max(times["old"]) / min(times["old"]), "spread_new": max(times["new"]) / min(times["new"])}
 
 
-def attention_rows(old: ModuleType, samples: int, gen: torch.Generator) -> list[dict]:
+def attention_rows(old: ModuleType, opts: tuple, gen: torch.Generator) -> list[dict]:
     from engine import decode_attention
 
     rows = []
@@ -109,12 +118,12 @@ def attention_rows(old: ModuleType, samples: int, gen: torch.Generator) -> list[
             lambda q=q, k=k, v=v, c=c: old.split_kv_attention(q, k, v, mask, T, *([c] if old_counts else []))
             for q, k, v, c in args], [
             lambda q=q, k=k, v=v, c=c: decode_attention.split_kv_attention(q, k, v, mask, T, c)
-            for q, k, v, c in args], samples))
+            for q, k, v, c in args], *opts))
         del q, k, v
     return rows
 
 
-def moe_rows(old: ModuleType, samples: int, gen: torch.Generator) -> list[dict]:
+def moe_rows(old: ModuleType, opts: tuple, gen: torch.Generator) -> list[dict]:
     from engine import moe_decode
     from engine.deepseek import Experts
     from engine.model import MLP
@@ -145,7 +154,7 @@ def moe_rows(old: ModuleType, samples: int, gen: torch.Generator) -> list[dict]:
                   for _ in range(MOE_LAYERS)]
         rows.append(compare(f"routed + shared experts, {n} token{'s' if n > 1 else ''}",
                             [lambda i=i: run(old, *i) for i in inputs],
-                            [lambda i=i: run(moe_decode, *i) for i in inputs], samples))
+                            [lambda i=i: run(moe_decode, *i) for i in inputs], *opts))
     return rows
 
 
@@ -157,19 +166,21 @@ def main(argv: list[str]) -> int:
     rows = []
     for name in a.found:
         old = load_old(a.old / f"{name}.py", name)
-        rows += (attention_rows if name == "decode_attention" else moe_rows)(old, a.samples, gen)
+        rows += (attention_rows if name == "decode_attention" else moe_rows)(old, (a.samples, a.tolerance, a.expect),
+                                                                             gen)
+    code = 0 if all(r["ok"] for r in rows) else 1
     if a.json:
         print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "old": str(a.old),
-                          "samples": a.samples, "rows": rows}, indent=1))
-        return 0
+                          "samples": a.samples, "tolerance": a.tolerance, "expect": a.expect, "rows": rows}, indent=1))
+        return code
     print(f"old kernels from {a.old} against this tree's, {torch.cuda.get_device_name()} (torch {torch.__version__}), "
-          f"median of {a.samples} interleaved samples, microseconds per call")
-    print(f"{'case':<44} {'old':>9} {'new':>9} {'new/old':>8} {'spread':>13}  same bits")
+          f"median of {a.samples} interleaved samples, microseconds per call; verdict of new at tolerance "
+          f"{a.tolerance}")
+    print(f"{'case':<44} {'old':>9} {'new':>9} {'new/old':>8} {'spread':>13}  same bits  verdict")
     for r in rows:
         print(f"{r['case']:<44} {r['old_us']:>9.2f} {r['new_us']:>9.2f} {r['new_over_old']:>8.3f} "
-              f"{r['spread_old']:>6.3f}/{r['spread_new']:<6.3f}  {r['same_bits']}")
-    return 0
-
+              f"{r['spread_old']:>6.3f}/{r['spread_new']:<6.3f}  {str(r['same_bits']):<9}  {r['verdict']}")
+    return code
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

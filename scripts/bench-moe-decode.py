@@ -104,10 +104,7 @@ def main(argv: list[str]) -> int:
             graphs = {name: graph_of(calls, REPLAYS) for name, calls in variants.items()}
             diffs = {name: max((c().float() - t).abs().max().item() for c, t in zip(fns, want))
                      for name, fns in variants.items()}
-        samples: dict[str, list[float]] = {name: [] for name in graphs}
-        for _ in range(a.samples):  # interleaved
-            for name, g in graphs.items():
-                samples[name].append(us_per_call(g, REPLAYS * a.layers))
+        samples = us_per_call(graphs, REPLAYS * a.layers, a.samples)
         for name, s in samples.items():
             us = statistics.median(s)
             rows.append({"tokens": n, "variant": name, "us_per_layer": us, "gb_s": read / us / 1e3,

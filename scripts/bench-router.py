@@ -1,10 +1,11 @@
 """The MLA + MoE router's two selections on a GPU: eleven routers of the deepseek-v3-mini shape (its MoE layers),
 compiled, in one CUDA graph, selecting by torch.topk (Router.select_by_topk) and by ranks (Router.select_by_ranks);
-seven interleaved samples of 200 replays each, for 1 and 8 tokens, and whether the two give the same ids and weights.
+seven interleaved samples of 200 replays each (engine.abtest), for 1 and 8 tokens, and whether the two give the same ids and weights.
 
     PYTHONPATH=. python3 scripts/bench-router.py      (needs a CUDA GPU; under a minute on an H200)"""
 import statistics, torch
 from engine import deepseek
+from engine.abtest import interleave
 from engine.shapes import shape_config
 if not torch.cuda.is_available():
     raise SystemExit("bench-router.py needs a CUDA GPU")
@@ -36,12 +37,9 @@ for n in (1, 8):
             with torch.cuda.graph(gr): o = f(x)
         graphs[mode], outs[mode] = gr, o
     same = all(torch.equal(a[1], b[1]) and torch.equal(a[0], b[0]) for a, b in zip(outs["topk"], outs["ranks"]))
-    t = {m: [] for m in graphs}
-    for _ in range(7):
-        for m, gr in graphs.items():
-            s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-            gr.replay(); torch.cuda.synchronize(); s.record()
-            for _ in range(200): gr.replay()
-            e.record(); torch.cuda.synchronize(); t[m].append(s.elapsed_time(e) / 200 * 1000)
+    def replays(gr):  # 200 replays a sample
+        return lambda: [gr.replay() for _ in range(200)]
+    secs, _ = interleave({m: replays(gr) for m, gr in graphs.items()}, torch.device(dev), 7)  # engine.abtest
+    t = {m: [x / 200 * 1e6 for x in v] for m, v in secs.items()}
     print(f"tokens {n}: 11 routers, us per graph replay, median of 7 (min..max): " + "; ".join(
         f"{m} {statistics.median(v):.1f} ({min(v):.1f}..{max(v):.1f})" for m, v in t.items()) + f"; same ids and weights: {same}")

@@ -1,16 +1,25 @@
 """What the GPU scripts of scripts/ (bench-gemv.py, bench-moe-decode.py, ab-kernels.py, ab-decode.py,
-kernel-report.py) share: their refusal without a GPU (exit 3), timing calls inside one CUDA graph, which holds
-`replays` rounds of them so that launch gaps weigh as they do in a captured decode step, and a shape's products."""
+kernel-report.py, bench-router.py) share: their refusal without a GPU (exit 3), calls inside one CUDA graph, which
+holds `replays` rounds of them so that launch gaps weigh as they do in a captured decode step, a shape's products,
+and an A/B's options, verdict and exit code: engine.abtest's interleaved samples judged by specbook.judge's paired
+2-of-3 rule (the one `runbook verify` applies)."""
 from __future__ import annotations
 
 import sys
 import argparse
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
-from engine.shapes import SHAPES
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.abtest import ABSamples, interleave  # noqa: E402
+from engine.config import ModelConfig  # noqa: E402
+from engine.errors import EngineError  # noqa: E402
+from engine.kernels import Kernels  # noqa: E402
+from engine.shapes import SHAPES  # noqa: E402
+from specbook import judge  # noqa: E402
 
 NO_CUDA = 3  # the exit code of a GPU benchmark on a machine without one
 
@@ -38,14 +47,11 @@ def graph_of(calls: Sequence[Callable[[], object]], replays: int) -> torch.cuda.
     return g
 
 
-def us_per_call(g: torch.cuda.CUDAGraph, calls: int) -> float:
-    """Microseconds per call of one replay of a graph of `calls` calls (every round's), by CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / calls
+def us_per_call(graphs: dict[str, torch.cuda.CUDAGraph], calls: int, samples: int) -> dict[str, list[float]]:
+    """Microseconds per call of each graph (`calls` calls a replay), `samples` interleaved replays each
+    (engine.abtest.interleave: the order reversed every other round, the engine's clock)."""
+    seconds, _ = interleave({name: g.replay for name, g in graphs.items()}, torch.device("cuda"), samples, warmup=0)
+    return {name: [t * 1e6 / calls for t in ts] for name, ts in seconds.items()}
 
 
 def products(shape: str) -> list[tuple[str, int, int]]:
@@ -75,3 +81,39 @@ def shapes_of(p: argparse.ArgumentParser, value: str) -> list[str]:
     if unknown or not shapes:
         p.error(f"--shape: unknown {', '.join(unknown) or '(none)'}; known: {', '.join(SHAPES)}")
     return shapes
+
+
+# ---- A/B: options, verdict, exit code ---------------------------------------------------------------------------
+EXPECT = {"not-slower": ("same", "faster"), "faster": ("faster",), "same": ("same",)}
+B_FAILS = 1  # the exit code when B's verdict is not the one asked for (slower, flaky, ...)
+
+
+def add_ab_options(p: argparse.ArgumentParser, tolerance: float = 0.02, rounds: bool = True) -> None:
+    """The rule takes three pairs; --rounds is the interleaved rounds a pair's ratio is the median of."""
+    if rounds:
+        p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per pair (default 3; three pairs)")
+    p.add_argument("--tolerance", type=float, default=tolerance,
+                   help=f"a pair's ratio B/A within 1 +- this is a vote for 'same' (default {tolerance})")
+    p.add_argument("--expect", choices=list(EXPECT), default="not-slower",
+                   help="the verdict exit 0 stands for (default not-slower: same or faster)")
+
+
+def check_ab_options(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if getattr(a, "rounds", 1) < 1 or not 0 < a.tolerance < 1:
+        p.error("--rounds at least 1, --tolerance in (0, 1)")
+
+
+def kernels_of(p: argparse.ArgumentParser, option: str, text: str) -> Kernels:
+    """A --a / --b value (CHOICE=VALUE,...; empty: the engine's defaults), or exit 2 naming what is wrong."""
+    try:
+        return Kernels.parse(text)
+    except EngineError as e:
+        p.error(f"{option}: {e}")
+
+
+def judged(samples: ABSamples, tolerance: float, expect: str) -> tuple[dict, int]:
+    """(the samples with the verdict, exit code): the pairs' ratios of B's seconds over A's under the paired 2-of-3
+    rule; exit 0 when the verdict is one `expect` names, else B_FAILS."""
+    verdict = judge.ab_verdict(samples.pair_ratios(), "lower", tolerance)
+    return ({**samples.as_dict(), "tolerance": tolerance, "verdict": verdict, "expect": expect},
+            0 if verdict in EXPECT[expect] else B_FAILS)

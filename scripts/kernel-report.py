@@ -3,17 +3,19 @@
 arguments the engine gives them for a shape, and report what the compiler made of each: registers and spilled
 bytes per thread, shared memory per block, software-pipelined copies (cp.async, TMA) and wgmma.
 
-    python scripts/kernel-report.py [--shape llama-3.1-8b,llama-3.2-1b,deepseek-v3-mini] [--json]
+    python scripts/kernel-report.py [--shape llama-3.1-8b,llama-3.2-1b,deepseek-v3-mini] [--kernels K=V,...]
+        [--json]
 
 Why: Triton's interpreter (the CPU tests) checks what a kernel computes, not what it becomes on the GPU: a kernel
 can pass it and fail to compile there (a module global read as other than a tl.constexpr, docs/findings.md section
 25), spill its registers, ask for more shared memory than a block may have, or run its loop over K unpipelined. Each
 of those costs a lease's minutes to find. (Registers at the limit, 255, are a hint too: ptxas then issues a fully
 unrolled kernel's loads fewer at a time rather than spill, which no count here shows.) Here each launch goes through
-the engine's own wrapper (engine.gemv.gemv, engine.decode_attention's split-KV attention,
-engine.moe_decode.routed_experts) with CPU tensors of the shape's sizes; the kernel object is swapped for one that
-compiles instead of launching (JITFunction.warmup, under a stand-in driver that names sm_90), so the arguments,
-their specialization (alignment, divisibility by 16) and the compile options are the JIT's own on the GPU. The
+the engine's own wrapper (engine.gemv's products, engine.decode_attention's split-KV attention,
+engine.moe_decode.routed_experts), as a model built with --kernels (engine/kernels.py; default the engine's) runs
+them, with CPU tensors of the shape's sizes; a launch compiles instead of running (JITFunction.warmup, under a
+stand-in driver that names sm_90), so the arguments, their specialization (alignment, divisibility by 16) and the
+compile options are the JIT's own on the GPU. The
 resources are read from the compiled binary (cuobjdump, shipped with Triton). Nothing is timed: what runs fast is a
 benchmark's question (scripts/bench-gemv.py, scripts/ab-decode.py).
 
@@ -29,7 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -38,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from engine.config import ModelConfig  # noqa: E402
+from engine.errors import EngineError  # noqa: E402
+from engine.kernels import Kernels  # noqa: E402
 from engine.shapes import SHAPES  # noqa: E402
 from gpu_bench import add_shape_option, products, shapes_of  # noqa: E402
 
@@ -45,6 +49,7 @@ try:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
 except ImportError:
     triton = None
 
@@ -52,6 +57,7 @@ NO_TRITON = 3
 SM90_SHARED = 232448  # bytes of shared memory one block may use on sm_90 (227 KiB)
 DECODE_CACHE, LONG_CACHE = 384, 33024  # the caches baseline-decode decodes in: 128 + 256 tokens, and 32768 + 256
 VERIFY_TOKENS = 8  # a chain of 7 drafts' verify
+TREE_TOKENS = 32  # a tree's verify (tree-sweep's k8x4n32)
 
 
 @dataclass
@@ -123,79 +129,98 @@ def describe(kernel, case: str, grid, args: tuple, kwargs: dict) -> Launch:
 
 
 @contextlib.contextmanager
-def compiling(module, names: tuple[str, ...], case: str, found: list[Launch]) -> Iterator[None]:
-    """Within it, a launch of module.NAME compiles for sm_90 and is appended to `found` instead of running."""
-    saved = {n: getattr(module, n) for n in names}
+def compiling(case: str, found: list[Launch]) -> Iterator[None]:
+    """Within it, every Triton launch compiles for sm_90 and is appended to `found` instead of running."""
+    run = JITFunction.run
 
-    class Compile:
-        def __init__(self, kernel):
-            self.kernel = kernel
+    def compile_instead(self, *args, grid, warmup, **kwargs):
+        if warmup:  # describe's own compile
+            return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        found.append(describe(self, case, grid, args, kwargs))
 
-        def __getitem__(self, grid) -> Callable[..., None]:
-            return lambda *a, **kw: found.append(describe(self.kernel, case, grid, a, kw))
-
-    for n, k in saved.items():
-        setattr(module, n, Compile(k))
+    JITFunction.run = compile_instead
     try:
         yield
     finally:
-        for n, k in saved.items():
-            setattr(module, n, k)
+        JITFunction.run = run
 
 
 def empty(*shape: int, dtype=torch.bfloat16) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype)  # never read: the kernels are compiled, not run
 
 
-def gemv_launches(shape: str, found: list[Launch]) -> None:
+def gemv_launches(shape: str, kernels: Kernels, found: list[Launch]) -> None:
+    """Each product at one row and at a verify's rows, as the chosen products run them; a Llama layer's fused
+    prologues where chosen."""
     from engine import gemv
+    c = ModelConfig(**SHAPES[shape])
     for name, n, k in products(shape):
         if n * k > gemv.MAX_WEIGHT:
             continue  # cuBLAS takes it
-        with compiling(gemv, ("_gemv_rows",), f"{shape} {name} [{n} x {k}], 1 row", found):
-            gemv.gemv(empty(1, k), empty(n, k))
+        what = f"{shape} {name} [{n} x {k}]"
+        if kernels.linear != "cublas":
+            blocks = gemv.Linear(k, n, bias=False, device="meta", kernels=kernels).blocks
+            with compiling(f"{what}, 1 row", found):
+                kernels.pick("linear")(empty(1, k), empty(n, k), None, *blocks)
+        if kernels.verify_linear != "cublas":
+            for m in (VERIFY_TOKENS, TREE_TOKENS):
+                with compiling(f"{what}, {m} rows", found):
+                    kernels.pick("verify_linear")(empty(m, k), empty(n, k))
+        if c.is_mla:
+            continue
+        if name == "down_proj" and kernels.swiglu_prologue != "swiglu_then_product":
+            with compiling(f"{what}, 1 row, SwiGLU prologue", found):
+                gemv.swiglu_gemv(empty(1, 2 * k), empty(n, k), None, kernels.wide_prologue)
+        if name in ("wqkv", "w13") and kernels.norm_prologue != "add_then_norm":
+            with compiling(f"{what}, 1 row, add + norm prologue", found):
+                gemv.add_norm_gemv(empty(1, k), empty(1, k), empty(k), 1e-5, empty(n, k), None,
+                                   kernels.wide_prologue)
 
 
-def attention_launches(shape: str, found: list[Launch]) -> None:
+def attention_launches(shape: str, kernels: Kernels, found: list[Launch]) -> None:
     from engine import decode_attention
     c = ModelConfig(**SHAPES[shape])
-    if c.is_mla:
+    if c.is_mla or kernels.attention == "sdpa":
         return  # MLA's attention is SDPA's (engine/deepseek.py)
     rep = c.num_attention_heads // c.num_key_value_heads
     for tokens in (1, VERIFY_TOKENS):
         for cache in (DECODE_CACHE, LONG_CACHE):
             case = f"{shape} attention, {tokens} token(s) over a cache of {cache}"
-            with compiling(decode_attention, ("_splitkv_partial", "_splitkv_merge"), case, found):
+            with compiling(case, found):
                 kv = empty(1, c.num_key_value_heads, cache, c.head_dim)
+                counts = torch.zeros(c.num_key_value_heads, dtype=torch.int32) if kernels.fuse_merge else None
                 decode_attention.split_kv_attention(
                     empty(1, c.num_key_value_heads, rep * tokens, c.head_dim), kv, kv,
-                    torch.ones(tokens, cache, dtype=torch.bool), tokens,
-                    torch.zeros(c.num_key_value_heads, dtype=torch.int32))
+                    torch.ones(tokens, cache, dtype=torch.bool), tokens, counts, kernels.pick("merge"),
+                    kernels.attention_block_n or decode_attention.BLOCK_N)
 
 
-def expert_launches(shape: str, found: list[Launch]) -> None:
+def expert_launches(shape: str, kernels: Kernels, found: list[Launch]) -> None:
     from engine import moe_decode
+    from engine.deepseek import Experts
     c = ModelConfig(**SHAPES[shape])
     if not c.n_routed_experts:
         return
     E, H, inter, top_k = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
     inter_s = c.n_shared_experts * inter
     gate_up, down = empty(E, 2 * inter, H), empty(E, H, inter)
+    blocks = Experts(1, 1, 1, kernels).blocks  # the block sizes the model's experts take
     for tokens in (1, VERIFY_TOKENS):
-        shared = (empty(2 * inter_s, H), empty(H, inter_s)) if tokens <= moe_decode.SHARED_MAX_TOKENS else None
+        fused = kernels.fuse_shared and tokens <= moe_decode.SHARED_MAX_TOKENS
+        shared = (empty(2 * inter_s, H), empty(H, inter_s)) if fused else None
         idx = torch.arange(tokens * top_k).reshape(tokens, top_k) % E
         case = f"{shape} routed experts, {tokens} token(s)" + (", shared experts in" if shared else "")
-        with compiling(moe_decode, ("_gemv_gate_up", "_gemv_down"), case, found):
+        with compiling(case, found):
             moe_decode.routed_experts(empty(tokens, H), torch.ones(tokens, top_k), idx, gate_up, down,
-                                      shared=shared)
+                                      shared=shared, **blocks)
 
 
-def report(shapes: list[str]) -> list[Launch]:
+def report(shapes: list[str], kernels: Kernels | None = None) -> list[Launch]:
     found: list[Launch] = []
     driver.set_active(Sm90Driver())  # for this process: it compiles and never launches
     for shape in shapes:
         for launches in (gemv_launches, attention_launches, expert_launches):
-            launches(shape, found)
+            launches(shape, kernels or Kernels(), found)
     return found
 
 
@@ -203,9 +228,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_option(p)
+    p.add_argument("--kernels", default="", help="kernel choices, CHOICE=VALUE,... (engine/kernels.py) [default: "
+                   "the engine's]")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     a = p.parse_args(argv)
     a.shapes = shapes_of(p, a.shape)
+    try:
+        a.kernels = Kernels.parse(a.kernels)
+    except EngineError as e:
+        p.error(f"--kernels: {e}")
     return a
 
 
@@ -215,14 +246,15 @@ def main(argv: list[str]) -> int:
         print("no Triton here: it compiles the kernels (the test extra installs it on Linux x86-64)", file=sys.stderr)
         return NO_TRITON
     os.environ.setdefault("TRITON_CACHE_DIR", str(Path(tempfile.gettempdir()) / "specbook-sm90-triton"))
-    found = report(a.shapes)
+    found = report(a.shapes, a.kernels)
     bad = [x for x in found if x.problems]
     if a.json:
         print(json.dumps({"target": "sm_90", "triton": triton.__version__, "shared_limit": SM90_SHARED,
+                          "kernels": a.kernels.as_dict(),
                           "launches": [{**asdict(x), "problems": x.problems} for x in found]}, indent=1))
         return 1 if bad else 0
-    print(f"the engine's Triton kernels compiled for sm_90 (Triton {triton.__version__}); registers and spilled "
-          f"bytes a thread, shared bytes a block")
+    print(f"the engine's Triton kernels compiled for sm_90 (Triton {triton.__version__}), kernels {a.kernels}; "
+          f"registers and spilled bytes a thread, shared bytes a block")
     print(f"{'kernel':<18} {'warps':>5} {'stages':>6} {'regs':>5} {'spill':>6} {'shared':>7} {'pipelined':>9} "
           f"{'wgmma':>5}  launch")
     for x in found:

@@ -16,7 +16,6 @@ import contextlib
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from engine.abtest import interleave  # noqa: E402
 from engine.drafter import new_drafter  # noqa: E402
 from engine.loading import random_model  # noqa: E402
 from engine.timing import sync  # noqa: E402
@@ -76,19 +76,18 @@ def drafter_step(preset: Preset, family: str, dev: torch.device) -> Step:
     return optimizer_step(drafter, make_optimizer(drafter, run.lr, run.weight_decay), loss, run.grad_clip)
 
 
-def ms_per_step(step: Step, dev: torch.device, warmup: int, steps: int, deterministic: bool) -> float:
-    """Median wall ms of `steps` synchronised steps after `warmup` untimed ones."""
-    mode = loop.reproducible if deterministic else contextlib.nullcontext
-    times = []
-    for i in range(warmup + steps):
-        sync(dev)
-        t0 = time.perf_counter()
-        with mode():
-            step()
-        sync(dev)
-        if i >= warmup:
-            times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times)
+def ms_per_step(step: Step, dev: torch.device, warmup: int, steps: int) -> dict[str, float]:
+    """Median ms of `steps` steps with deterministic kernels and `steps` without, after `warmup` untimed ones
+    each, the two interleaved (engine.abtest: the engine's clock, the order reversed by turns)."""
+    def in_mode(mode) -> Step:
+        def run() -> None:
+            with mode():
+                step()
+        return run
+
+    seconds, _ = interleave({"deterministic": in_mode(loop.reproducible), "default": in_mode(contextlib.nullcontext)},
+                            dev, steps, warmup)
+    return {mode: 1000 * statistics.median(s) for mode, s in seconds.items()}
 
 
 def top_ops(step: Step, dev: torch.device, steps: int, rows: int) -> list[dict]:
@@ -131,9 +130,9 @@ def main(argv: list[str] | None = None) -> int:
             if a.what not in (name, "both"):
                 continue
             step = make(preset, a.family, dev)
-            det = ms_per_step(step, dev, a.warmup, a.steps, deterministic=True)
-            free = ms_per_step(step, dev, a.warmup, a.steps, deterministic=False)
-            out[name] = {"deterministic_ms": det, "default_ms": free, "ops": top_ops(step, dev, a.profile_steps, a.rows)}
+            ms = ms_per_step(step, dev, a.warmup, a.steps)
+            out[name] = {"deterministic_ms": ms["deterministic"], "default_ms": ms["default"],
+                         "ops": top_ops(step, dev, a.profile_steps, a.rows)}
     except Exception as e:  # one line: which model, what failed
         print(f"profile-train: the {name} step failed: {type(e).__name__}: {str(e).strip().splitlines()[0]}",
               file=sys.stderr)

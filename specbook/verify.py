@@ -31,8 +31,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from specbook import RunFailed, SpecbookError, parallel, project, provenance, records, sidebyside
+from specbook import RunFailed, SpecbookError, judge, parallel, project, provenance, records, sidebyside
 from specbook.execute import EXECUTED, Target, notebook_seconds, run, target
+from specbook.judge import drift
 from specbook.parallel import SHARE, Job, estimate, schedule, sharing, verify_child
 from specbook.provenance import canonical, sha
 from specbook.runbooks import check_name, check_profile, discover, load
@@ -95,19 +96,6 @@ def exit_code(verdicts: list[Verdict]) -> int:
     """3 when something failed, else 1 when something drifted or is flaky, else 0."""
     states = {v.state for v in verdicts}
     return 3 if FAILED in states else 1 if states & {DRIFTED, FLAKY} else 0
-
-
-def drift(entry: dict[str, Any], value: float) -> str | None:
-    """None within tolerance (max of relative and absolute), else regression / improvement / changed."""
-    recorded = entry["value"]
-    tol = entry.get("tolerance", {})
-    allowed = max(tol.get("rel", 0.0) * abs(recorded), tol.get("abs", 0.0))
-    delta = value - recorded
-    if abs(delta) <= allowed + 1e-12 * max(1.0, abs(recorded)):  # float noise is not drift
-        return None
-    if entry["direction"] == "none":
-        return "changed"
-    return "improvement" if (delta > 0) == (entry["direction"] == "higher") else "regression"
 
 
 def age(date: Any, now: dt.datetime | None = None) -> str:
@@ -593,9 +581,12 @@ def _settled(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None
     if not against_a:
         votes = [drift(entry, x) for x in (v.measured, *(b[v.metric] for _, b in pairs))]
         return len(votes) >= 3 or votes[0] is not None and votes.count(votes[0]) >= 2
-    reference = {"value": 1.0, "direction": entry["direction"], "tolerance": {"rel": entry["tolerance"]["rel"]}}
-    votes = [drift(reference, b[v.metric] / a[v.metric] if a[v.metric] else float("inf")) for a, b in pairs]
-    return len(votes) >= 3 or votes[0] == votes[1]
+    return judge.settled(judge.ratio_votes(_ratios(v, pairs), entry["direction"], entry["tolerance"]["rel"]))
+
+
+def _ratios(v: Verdict, pairs: list[tuple[dict | None, dict | None]]) -> list[float]:
+    """Each pair's ratio B/A of v's metric."""
+    return [b[v.metric] / a[v.metric] if a[v.metric] else float("inf") for a, b in pairs]
 
 
 def _measure_or_none(root: Path, t: Target, progress: bool, log) -> dict[str, float] | None:
@@ -604,14 +595,6 @@ def _measure_or_none(root: Path, t: Target, progress: bool, log) -> dict[str, fl
     except RunFailed as e:
         log(f"{t.rb.name} ({t.profile}): a confirming run failed: {e}")
         return None
-
-
-def _majority(votes: list[str | None]) -> tuple[bool, str | None]:
-    """(whether two of three votes agree, what they agree on: None = within tolerance)."""
-    for vote in dict.fromkeys(votes):
-        if votes.count(vote) >= 2:
-            return True, vote
-    return False, None
 
 
 def _rejudge(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None]], against_a: bool,
@@ -628,20 +611,14 @@ def _rejudge(v: Verdict, entry: dict, pairs: list[tuple[dict | None, dict | None
         v.detail = f"measured {', '.join(f'{x:.6g}' for x in values)}; recorded {v.recorded:.6g}"
         votes = [drift(entry, x) for x in values]
     else:  # this tree against the recorded commit's, pair by pair
-        ratios = [b[v.metric] / a[v.metric] if a[v.metric] else float("inf") for a, b in pairs]
-        reference = {"value": 1.0, "direction": entry["direction"], "tolerance": {"rel": entry["tolerance"]["rel"]}}
-        votes = [drift(reference, r) for r in ratios]
+        ratios = _ratios(v, pairs)
+        votes = judge.ratio_votes(ratios, entry["direction"], entry["tolerance"]["rel"])
         machine = statistics.median(a[v.metric] for a, _ in pairs) / v.recorded if v.recorded else float("nan")
         v.measured = statistics.median(b[v.metric] for _, b in pairs)
         v.detail = (f"this engine / recorded engine, {how}: {', '.join(f'{r:.3g}' for r in ratios)}; the "
                     f"recorded engine measures {machine:.3g}x its record on this machine now (first run {first:.6g})")
-    agreed, vote = _majority(votes)
-    if not agreed:
-        v.state, v.change = FLAKY, next(c for c in votes if c)
-    elif vote is None:
-        v.state, v.change = FRESH, None
-    else:
-        v.state, v.change = DRIFTED, vote
+    state, v.change = judge.verdict(votes)
+    v.state = {judge.SAME: FRESH, judge.CHANGED: DRIFTED, judge.FLAKY: FLAKY}[state]
 
 
 def recorded_tree(root: Path, t: Target, run: dict[str, Any]) -> tuple[Path | None, Target | None, str]:

@@ -15,11 +15,11 @@ import triton  # noqa: E402,F401 - required there: a missing one is a failure
 # In a subprocess: the interpreter is chosen when the kernels are decorated, i.e. at import.
 SCRIPT = """
 import torch
-from engine.decode_attention import split_kv_attention
-from engine.model import grouped_attention
+from engine.decode_attention import grouped_merge, split_kv_attention
+from engine.model import sdpa
 
 g = torch.Generator().manual_seed(0)
-worst = merged_apart = 0.0
+worst = merged_apart = grouped = 0.0
 counts = torch.zeros(8, dtype=torch.int32)
 left = []
 # (batch, query heads, KV heads, tokens, cache length, head dim, valid cache length): several splits, padded rows
@@ -32,14 +32,18 @@ for B, H, kv, T, S, D, valid in [(1, 8, 2, 1, 200, 64, 150), (1, 4, 4, 8, 130, 6
     tree = causal & (torch.rand(T, S, generator=g) < 0.6)
     tree[:, 0] = True
     for mask in (causal, tree):
-        want = grouped_attention(q, k, v, mask)  # CPU: SDPA
+        want = sdpa(q, k, v, mask)
         qg = q.reshape(B, kv, H // kv * T, D)
         got = split_kv_attention(qg, k, v, mask, T, counts).reshape(B, H, T, D)  # merged by the last block
         apart = split_kv_attention(qg, k, v, mask, T).reshape(B, H, T, D)  # merged by a kernel of its own
+        # the grouped merge (Kernels merge=grouped_merge), in the kernel and apart: the same sums in the same order
+        for c in (counts, None):
+            again = split_kv_attention(qg, k, v, mask, T, c, grouped_merge).reshape(B, H, T, D)
+            grouped = max(grouped, (again - got).abs().max().item())
         worst = max(worst, (got - want).abs().max().item())
         merged_apart = max(merged_apart, (got - apart).abs().max().item())
         left.append(int(counts.abs().sum()))
-print(worst, merged_apart, sum(left), len(left))
+print(worst, merged_apart, grouped, sum(left), len(left))
 """
 
 
@@ -47,7 +51,8 @@ def test_split_kv_kernel_matches_sdpa_in_the_interpreter():
     r = subprocess.run([sys.executable, "-c", SCRIPT], env={**os.environ, "TRITON_INTERPRET": "1"},
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    worst, merged_apart, counts_left, calls = r.stdout.split()[-4:]
+    worst, merged_apart, grouped, counts_left, calls = r.stdout.split()[-5:]
     assert float(worst) < 1e-5
     assert float(merged_apart) == 0.0  # both merges sum the splits in split order
+    assert float(grouped) == 0.0  # so does the grouped merge, for a decode step's rows and a verify's wider ones
     assert int(calls) == 8 and int(counts_left) == 0  # the last block leaves the counts as it found them

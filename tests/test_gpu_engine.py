@@ -90,9 +90,12 @@ def test_engine_bf16_and_bench_on_cuda():
 
 @pytest.mark.parametrize("heads,kv,T,S,valid", [(32, 8, 1, 384, 200), (32, 8, 8, 384, 300), (16, 4, 16, 4096, 4000),
                                                 (8, 8, 4, 130, 100)])
-def test_split_kv_attention_matches_sdpa(heads, kv, T, S, valid, monkeypatch):
+def test_split_kv_attention_matches_sdpa(heads, kv, T, S, valid):
+    """The split-KV kernel against SDPA (the `attention` choices); its in-kernel merge and its grouped merge give
+    the separate merge's bits (same sums in the same order)."""
     from engine import decode_attention
-    from engine.model import grouped_attention
+    from engine.decode_attention import grouped_merge
+    from engine.model import sdpa, split_kv
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, heads, T, 128, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -102,14 +105,15 @@ def test_split_kv_attention_matches_sdpa(heads, kv, T, S, valid, monkeypatch):
     tree[:, 0] = True
     for mask in (causal, tree):
         assert decode_attention.available(q, k, heads // kv * T)
-        got = grouped_attention(q, k, v, mask)
-        monkeypatch.setattr(decode_attention, "enabled", False)
-        want = grouped_attention(q, k, v, mask)
-        monkeypatch.setattr(decode_attention, "enabled", True)
+        got = split_kv(q, k, v, mask)
+        want = sdpa(q, k, v, mask)
         assert (got.float() - want.float()).abs().max().item() < 2e-2
         counts = torch.zeros(kv, dtype=torch.int32, device="cuda")
-        merged_in_kernel = grouped_attention(q, k, v, mask, counts)
+        merged_in_kernel = split_kv(q, k, v, mask, counts)
         assert torch.equal(merged_in_kernel, got) and not counts.any()  # same sums in the same order; counts reset
+        assert torch.equal(split_kv(q, k, v, mask, counts, merge=grouped_merge), got) and not counts.any()
+        assert torch.equal(split_kv(q, k, v, mask, merge=grouped_merge), got)
+        assert torch.equal(split_kv(q, k, v, mask, counts, fuse_merge=False), got) and not counts.any()
 
 
 def test_split_kv_merge_in_kernel_replays_in_a_cuda_graph():
@@ -141,17 +145,17 @@ def test_split_kv_merge_in_kernel_replays_in_a_cuda_graph():
 def test_training_attention_on_cuda_equals_the_stacked_masked_form():
     """Without a mask (training) CUDA takes flash attention with GQA and causality built in; it must compute what
     the stacked-heads form with an explicit causal mask computes, forward and backward."""
-    from engine.model import grouped_attention
+    from engine.model import split_kv
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, h, 64, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
                for h in (8, 2, 2))
     causal = torch.ones(64, 64, dtype=torch.bool, device="cuda").tril()
-    (fast := grouped_attention(q, k, v, None)).float().square().sum().backward()
+    (fast := split_kv(q, k, v, None)).float().square().sum().backward()
     grads = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
-    (ref := grouped_attention(q, k, v, causal)).float().square().sum().backward()
+    (ref := split_kv(q, k, v, causal)).float().square().sum().backward()
     torch.testing.assert_close(fast, ref, atol=2e-2, rtol=2e-2)
     for got, t in zip(grads, (q, k, v)):
         torch.testing.assert_close(got, t.grad, atol=5e-2, rtol=5e-2)
@@ -162,7 +166,7 @@ def test_ttt_attention_backward_is_bit_for_bit_deterministic_in_bf16(heads, kv):
     """Training-time test's attention (engine.train.drafter.ttt_attention, plain matmuls and elementwise ops) under
     strict deterministic algorithms, as training runs: two backward passes give bit-identical gradients in bf16, and
     output and gradients are close to the float32 masked form over the concatenated keys."""
-    from engine.model import grouped_attention
+    from engine.model import split_kv
     from engine.train.drafter import ttt_attention, ttt_mask
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -177,7 +181,7 @@ def test_ttt_attention_backward_is_bit_for_bit_deterministic_in_bf16(heads, kv):
         return [out.detach()] + [t.grad for t in leaves]  # output, then grads of q, k_0..k_j, v_0..v_j
 
     def masked(q, k, v):
-        return grouped_attention(q, torch.cat(k, dim=2), torch.cat(v, dim=2), ttt_mask(T, j, "cuda"))
+        return split_kv(q, torch.cat(k, dim=2), torch.cat(v, dim=2), ttt_mask(T, j, "cuda"))
 
     with loop.reproducible():
         first, second = run(ttt_attention, torch.bfloat16), run(ttt_attention, torch.bfloat16)
@@ -266,17 +270,20 @@ def test_experts_route_few_tokens_through_moe_decode():
         assert torch.equal(eb(x, w, idx), eb._all_experts(x, w, idx))
 
 
-def test_shared_experts_read_in_the_routed_experts_launches(monkeypatch):
+def test_shared_experts_read_in_the_routed_experts_launches():
     """A decode step (one token) reads the shared experts in moe_decode's two launches; a verify of 8 runs them as
     cuBLAS's product, apart. Within bf16's roundings of each other (another summation order for the shared MLP),
     and the routed part the same bits either way."""
     from engine import moe_decode
     from engine.deepseek import Experts
+    from engine.kernels import Kernels
     from engine.model import MLP
 
     g = torch.Generator(device="cuda").manual_seed(2)
     E, H, I, k = 64, 2048, 1408, 6
     eb = Experts(E, H, I).cuda().bfloat16()
+    apart = Experts(E, H, I, Kernels(fuse_shared=False)).cuda().bfloat16()
+    apart.load_state_dict(eb.state_dict())
     mlp = MLP(H, 2 * I).cuda().bfloat16()
     with torch.no_grad():
         for t, fan_in in ((eb.gate_up_proj, H), (eb.down_proj, I), (mlp.w13.weight, H), (mlp.down_proj.weight, 2 * I)):
@@ -295,37 +302,42 @@ def test_shared_experts_read_in_the_routed_experts_launches(monkeypatch):
             scale = verify[i].float().abs().max().item()
             assert (one.float() - verify[i:i + 1].float()).abs().max().item() < 2e-2 * scale
             assert (one.float() - routed[i:i + 1].float()).abs().max().item() > 0.1 * scale  # the MLP is in it
-        monkeypatch.setattr(moe_decode, "fuse_shared", False)
-        assert torch.equal(eb(x[:1], w[:1], idx[:1], mlp), routed[:1] + mlp(x[:1]))
+        assert torch.equal(apart(x[:1], w[:1], idx[:1], mlp), routed[:1] + mlp(x[:1]))
+
+
+def spy(fn, calls: list):
+    """fn, recording the row count of each call's input."""
+    return lambda x, *a, **kw: calls.append(x.numel() // x.shape[-1]) or fn(x, *a, **kw)
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("n,k,bias", [(6144, 4096, False), (4096, 14336, False), (3072, 2048, True), (1344, 2048, False)])
-def test_gemv_linear_on_cuda(n, k, bias, monkeypatch):
+def test_gemv_linear_on_cuda(n, k, bias):
     """engine.gemv.Linear at one bf16 row takes the kernel (within bf16's roundings of cuBLAS, the same bits in a
-    CUDA graph and under torch.compile); at two rows, or switched off, it is cuBLAS's F.linear exactly."""
+    CUDA graph and under torch.compile); at two rows (verify_linear cublas, the default), or with linear=cublas, it is
+    cuBLAS's F.linear exactly."""
     from engine import gemv
+    from engine.kernels import Kernels
 
-    monkeypatch.setattr(gemv, "enabled", True)  # whether the engine's default has it on or off
     g = torch.Generator(device="cuda").manual_seed(3)
     lin = gemv.Linear(k, n, bias=bias).cuda().bfloat16()
     lin.weight.normal_(0, k ** -0.5, generator=g)
     x = torch.randn(1, 1, k, device="cuda", generator=g).bfloat16()
-    assert gemv.available(x, lin.weight)
-    calls, kernel = [], gemv.gemv
-    monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    assert gemv.available(x, lin.weight) and lin.one_row is gemv.gemv and lin.rows is gemv.cublas
+    calls = []
+    lin.one_row = spy(gemv.gemv, calls)
     one = lin(x)
     x2 = torch.randn(1, 2, k, device="cuda", generator=g).bfloat16()
     assert torch.equal(lin(x2), torch.nn.functional.linear(x2, lin.weight, lin.bias))
-    assert calls == [x.shape]  # the one-row forward took the kernel, the two-row one did not
-    monkeypatch.setattr(gemv, "gemv", kernel)
+    assert calls == [1]  # the one-row forward took the kernel, the two-row one did not
+    lin.one_row = gemv.gemv
     assert torch.equal(one, gemv.gemv(x, lin.weight, lin.bias))
     cublas = torch.nn.functional.linear(x, lin.weight, lin.bias)
     scale = cublas.float().abs().max().item()
     assert (one.float() - cublas.float()).abs().max().item() < 2e-2 * scale  # another order, the same product
-    monkeypatch.setattr(gemv, "enabled", False)
-    assert torch.equal(lin(x), cublas)
-    monkeypatch.setattr(gemv, "enabled", True)
+    off = gemv.Linear(k, n, bias=bias, kernels=Kernels(linear="cublas")).cuda().bfloat16()
+    off.load_state_dict(lin.state_dict())
+    assert torch.equal(off(x), cublas)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = lin(x)
@@ -333,3 +345,99 @@ def test_gemv_linear_on_cuda(n, k, bias, monkeypatch):
     graph.replay()
     assert torch.equal(captured, gemv.gemv(x, lin.weight, lin.bias))
     assert torch.equal(torch.compile(lin, fullgraph=True)(x), captured)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("n,k,bias,m", [(6144, 4096, False, 8), (4096, 14336, False, 33), (3072, 2048, True, 2),
+                                        (1344, 2048, False, 64), (4096, 4096, False, 16)])
+def test_few_rows_linear_on_cuda(n, k, bias, m):
+    """engine.gemv.Linear with verify_linear=few_rows at 2 to FEW_ROWS_MAX bf16 rows takes the few-row kernel:
+    within bf16's roundings of cuBLAS, each token's bits independent of the other rows, the same bits in a CUDA graph
+    and under torch.compile; past FEW_ROWS_MAX, or with the default verify_linear, it is cuBLAS's F.linear exactly."""
+    from engine import gemv
+    from engine.kernels import Kernels
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    lin = gemv.Linear(k, n, bias=bias, kernels=Kernels(verify_linear="few_rows")).cuda().bfloat16()
+    lin.weight.normal_(0, k ** -0.5, generator=g)
+    x = torch.randn(1, m, k, device="cuda", generator=g).bfloat16()
+    calls = []
+    lin.rows = spy(gemv.few_rows, calls)
+    out = lin(x)
+    assert calls == [m]
+    lin.rows = gemv.few_rows
+    assert torch.equal(out, gemv.gemm_few_rows(x, lin.weight, lin.bias))
+    cublas = torch.nn.functional.linear(x, lin.weight, lin.bias)
+    scale = cublas.float().abs().max().item()
+    assert (out.float() - cublas.float()).abs().max().item() < 2e-2 * scale
+    other = x.clone()
+    other[0, 1:].normal_(generator=g)
+    assert torch.equal(lin(other)[0, 0], out[0, 0])  # a token's bits are its own row's
+    assert torch.equal(lin(x[:, -1:].contiguous().expand(1, m, k).contiguous())[0, 0], out[0, -1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = lin(x)
+    x.normal_(generator=g)
+    graph.replay()
+    assert torch.equal(captured, gemv.gemm_few_rows(x, lin.weight, lin.bias))
+    assert torch.equal(torch.compile(lin, fullgraph=True)(x), captured)
+    many = torch.randn(1, gemv.FEW_ROWS_MAX + 1, k, device="cuda", generator=g).bfloat16()
+    assert torch.equal(lin(many), torch.nn.functional.linear(many, lin.weight, lin.bias))
+    plain = gemv.Linear(k, n, bias=bias).cuda().bfloat16()
+    plain.load_state_dict(lin.state_dict())
+    assert torch.equal(plain(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+
+
+@torch.no_grad()
+def test_fused_layer_prologues_on_cuda():
+    """A Llama layer at one bf16 row takes the add+norm and SwiGLU prologues (Kernels norm_prologue=fused_add_norm,
+    swiglu_prologue=fused_swiglu, each on its own): the residual add keeps its bits, the layer's output is the
+    unfused layer's within bf16's roundings, and a CUDA graph and torch.compile give the eager bits; at two rows, or
+    with the plain prologues, the layer never takes them."""
+    from engine import gemv
+    from engine.kernels import Kernels
+    from engine.model import Block, ProductBlock
+
+    both = Kernels(norm_prologue="fused_add_norm", swiglu_prologue="fused_swiglu")
+    model = random_model("small", device="cuda", dtype="bfloat16", seed=5, kernels=both)
+    norm_only = random_model("small", device="cuda", dtype="bfloat16", seed=5,
+                             kernels=Kernels(norm_prologue="fused_add_norm"))
+    plain_model = random_model("small", device="cuda", dtype="bfloat16", seed=5)
+    layer, norm_layer, plain_layer = model.layers[1], norm_only.layers[1], plain_model.layers[1]
+    assert type(layer) is ProductBlock and type(plain_layer) is Block
+    g = torch.Generator(device="cuda").manual_seed(6)
+    h, r = (torch.randn(1, 1, model.cfg.hidden_size, device="cuda", generator=g).bfloat16() for _ in range(2))
+    pos = torch.tensor([3], device="cuda")
+    args = (model.rope_cos[pos], model.rope_sin[pos], None, None)
+    calls = []
+    for lay in (layer, norm_layer):
+        for lin in (lay.self_attn.wqkv, lay.mlp.w13):
+            lin.norm_prologue = (lambda f: lambda *a: calls.append("add_norm") or f(*a))(lin.norm_prologue)
+        down = lay.mlp.down_proj
+        down.swiglu_prologue = (lambda f: lambda *a: calls.append("swiglu") or f(*a))(down.swiglu_prologue)
+    fused = layer(h, r, *args)
+    assert calls == ["add_norm", "add_norm", "swiglu"]
+    norm_layer(h, r, *args)
+    assert calls[3:] == ["add_norm", "add_norm", "swiglu"]
+    assert norm_layer.mlp.down_proj.swiglu_prologue is gemv.swiglu_then_product  # one choice, one prologue
+    assert norm_layer.self_attn.wqkv.norm_prologue is not gemv.add_then_norm
+    # at two rows the fused prologues fall back to the plain ops: the plain layer's bits
+    two = (torch.cat([h, h], 1), torch.cat([r, r], 1), model.rope_cos[:2], model.rope_sin[:2], None, None)
+    assert all(torch.equal(a, b) for a, b in zip(layer(*two), plain_layer(*two)))
+    plain = plain_layer(h, r, *args)
+    assert torch.equal(layer.self_attn.wqkv.add_norm(h, r, layer.input_layernorm)[0], h + r)
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:  # within bf16's roundings of the output's scale
+        return (a.float() - b.float()).abs().max().item() < 3e-2 * b.float().abs().max().item()
+
+    assert all(close(a, b) for a, b in zip(fused, plain))
+    for lin in (layer.self_attn.wqkv, layer.mlp.w13):
+        lin.norm_prologue = gemv.fused_add_norm
+    layer.mlp.down_proj.swiglu_prologue = gemv.fused_swiglu
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = layer(h, r, *args)
+    graph.replay()
+    assert all(torch.equal(a, b) for a, b in zip(captured, fused))
+    compiled = torch.compile(layer, fullgraph=True)(h, r, *args)  # inductor rounds RoPE and the rest its own way
+    assert all(close(a, b) for a, b in zip(compiled, fused))

@@ -21,17 +21,25 @@ def run(script: str, *args: str) -> subprocess.CompletedProcess:
 
 # (script, arguments, what the one-line error names)
 BAD_ARGUMENTS = [
-    ("ab-decode.py", ["--switch", "engine.decode_attention.no_such_switch"], "no_such_switch"),
-    ("ab-decode.py", ["--switch", "engine.decode_attention.BLOCK_N"], "BLOCK_N"),  # an int, not a switch
-    ("ab-decode.py", ["--switch", "torch.backends.cudnn.enabled"], "torch.backends.cudnn.enabled"),  # not the engine's
-    ("ab-decode.py", ["--switch", "engine.no_such_module.x"], "engine.no_such_module"),
-    ("ab-decode.py", ["--switch", "engine.moe_decode.fuse_shared", "--shape", "no-such-shape"], "--shape"),
-    ("ab-decode.py", ["--switch", "engine.moe_decode.fuse_shared", "--rounds", "2"], "--rounds"),
-    ("ab-decode.py", ["--switch", "engine.moe_decode.fuse_shared", "--spec", "7,x"], "--spec"),
-    ("ab-decode.py", ["--switch", "engine.moe_decode.fuse_shared", "--spec", "0,1,1"], "--spec"),
+    ("ab-decode.py", ["--b", "no_such_choice=1"], "unknown choice 'no_such_choice'"),
+    ("ab-decode.py", ["--b", "verify_linear=fastest"], "unknown verify_linear 'fastest'"),
+    ("ab-decode.py", ["--b", "gemv_block_n=3"], "gemv_block_n"),  # not a power of two
+    ("ab-decode.py", ["--a", "merge", "--b", "fuse_merge=false"], "--a"),
+    ("ab-decode.py", ["--b", "linear=gemv"], "the same kernels"),  # the defaults on both sides
+    ("ab-decode.py", [], "--b"),
+    ("ab-decode.py", ["--b", "fuse_shared=false", "--shape", "no-such-shape"], "--shape"),
+    ("ab-decode.py", ["--b", "fuse_shared=false", "--rounds", "0"], "--rounds"),
+    ("ab-decode.py", ["--b", "fuse_shared=false", "--tolerance", "2"], "--tolerance"),
+    ("ab-decode.py", ["--b", "fuse_shared=false", "--expect", "slower"], "--expect"),
+    ("ab-decode.py", ["--b", "fuse_shared=false", "--spec", "7,x"], "--spec"),
+    ("ab-decode.py", ["--b", "fuse_shared=false", "--spec", "0,1,1"], "--spec"),
+    ("kernel-report.py", ["--kernels", "merge=fastest"], "unknown merge 'fastest'"),
     ("bench-gemv.py", ["--shape", "no-such-shape"], "--shape"),
     ("bench-gemv.py", ["--shape", ","], "--shape"),
     ("bench-gemv.py", ["--samples", "2"], "--samples"),
+    ("bench-gemv.py", ["--rows", "0"], "--rows"),
+    ("bench-gemv.py", ["--rows", "8,x"], "--rows"),
+    ("bench-gemv.py", ["--rows", "65"], "--rows"),
     ("kernel-report.py", ["--shape", "no-such-shape"], "--shape"),
     ("bench-moe-decode.py", ["--tokens", "1,x"], "--tokens"),
     ("bench-moe-decode.py", ["--tokens", "0"], "--tokens"),
@@ -57,7 +65,7 @@ def test_ab_kernels_bad_old_directory_exits_2(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the scripts run")
-@pytest.mark.parametrize("script,args", [("ab-decode.py", ["--switch", "engine.decode_attention.fuse_merge"]),
+@pytest.mark.parametrize("script,args", [("ab-decode.py", ["--b", "fuse_merge=false"]),
                                          ("ab-kernels.py", ["--old", OLD]),
                                          ("bench-gemv.py", ["--shape", "llama-3.2-1b"]),
                                          ("bench-moe-decode.py", ["--tokens", "1"])])

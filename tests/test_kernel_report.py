@@ -1,6 +1,7 @@
 """scripts/kernel-report.py: the engine's Triton kernels compiled for sm_90 on a machine without a GPU, at the
-engine's own launch arguments, within the limits of a Hopper block; and the report's checks catch what they name
-(a kernel that does not compile, one that spills, one that asks for too much shared memory)."""
+engine's own launch arguments, within the limits of a Hopper block - the default kernel choices and those that land
+off (engine/kernels.py) - and the report's checks catch what they name (a kernel that does not compile, one that
+spills, one that asks for too much shared memory)."""
 import importlib.util
 import json
 import platform
@@ -18,6 +19,10 @@ import triton.language as tl  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "kernel-report.py"
 ENGINE_KERNELS = {"_gemv_rows", "_splitkv_partial", "_splitkv_merge", "_gemv_gate_up", "_gemv_down"}
+# every choice that lands off, at once
+CHOSEN = "verify_linear=few_rows,merge=grouped_merge,norm_prologue=fused_add_norm,swiglu_prologue=fused_swiglu"
+CHOSEN_KERNELS = {"_gemv_rows", "_gemm_rows", "_gemv_prologue_rows", "_splitkv_partial_grouped",
+                  "_splitkv_merge_grouped", "_gemv_gate_up", "_gemv_down"}
 NOT_CONSTEXPR = 4  # read by _reads_a_global: a kernel may read a module global only as a tl.constexpr
 
 
@@ -58,11 +63,20 @@ def _big_tiles(A, B, C, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr)
     tl.store(C + rm[:, None] * BN + rn[None, :], acc)
 
 
-@pytest.fixture(scope="module")
-def engine_report() -> dict:
-    r = subprocess.run([sys.executable, str(SCRIPT), "--json"], capture_output=True, text=True, timeout=900)
+def run_report(*args: str) -> dict:
+    r = subprocess.run([sys.executable, str(SCRIPT), "--json", *args], capture_output=True, text=True, timeout=900)
     assert r.returncode in (0, 1), r.stderr[-2000:]
     return {"rc": r.returncode, **json.loads(r.stdout)}
+
+
+@pytest.fixture(scope="module")
+def engine_report() -> dict:
+    return run_report()
+
+
+@pytest.fixture(scope="module")
+def chosen_report() -> dict:
+    return run_report("--kernels", CHOSEN)
 
 
 def test_every_engine_kernel_compiles_for_sm90_within_a_blocks_shared_memory(engine_report):
@@ -72,11 +86,33 @@ def test_every_engine_kernel_compiles_for_sm90_within_a_blocks_shared_memory(eng
     assert all(0 < x["regs"] <= 255 and x["shared"] <= engine_report["shared_limit"] for x in launches)
 
 
-@pytest.mark.xfail(strict=True, reason="the split-KV merge kernel of its own (more than FUSE_MAX_SPLITS splits) "
-                   "unrolls its loop over every split: at a verify's 8 tokens over a 32K cache its loads no longer "
-                   "fit the registers and spill (docs/findings.md, section 26); a fix waits for a GPU to time it")
+@pytest.mark.xfail(strict=True, reason="the default merge (unrolled_merge) of the split-KV merge kernel of its own "
+                   "(more than FUSE_MAX_SPLITS splits) unrolls its loop over every split: at a verify's 8 tokens over "
+                   "a 32K cache its loads no longer fit the registers and spill (docs/findings.md, section 26); "
+                   "merge=grouped_merge does not, and waits for a GPU's A/B to become the default")
 def test_no_engine_kernel_spills(engine_report):
     assert [x for x in engine_report["launches"] if x["problems"]] == [] and engine_report["rc"] == 0
+
+
+def test_the_kernels_that_land_off_compile_for_sm90_without_spilling(chosen_report):
+    """The few-row products, the fused prologues and the grouped merge, as a model built with them launches them:
+    within a block's limits and no spill (the grouped merge's point)."""
+    launches = chosen_report["launches"]
+    assert {x["kernel"] for x in launches} == CHOSEN_KERNELS
+    assert [x for x in launches if x["problems"]] == [] and chosen_report["rc"] == 0
+    assert all(0 < x["regs"] <= 255 and x["shared"] <= chosen_report["shared_limit"] for x in launches)
+    assert chosen_report["kernels"]["merge"] == "grouped_merge"
+
+
+def test_the_few_row_products_loop_over_k_is_pipelined(chosen_report):
+    rows = [x for x in chosen_report["launches"] if x["kernel"] == "_gemm_rows"]
+    assert len(rows) == 2 * 16 and all(x["pipelined_copies"] > 0 for x in rows)  # 2 row counts, 16 products
+
+
+def test_bad_kernel_choices_are_refused_with_exit_2():
+    r = subprocess.run([sys.executable, str(SCRIPT), "--kernels", "merge=fastest"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "unknown merge 'fastest'" in r.stderr
 
 
 def test_the_long_context_attention_loop_is_pipelined(engine_report):

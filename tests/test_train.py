@@ -243,11 +243,11 @@ def test_ttt_mask_on_a_tiny_example():
 
 
 def masked_ttt_attention(q, k, v, mask=None):
-    """The masked form of step j's attention: grouped_attention over the steps' keys and values concatenated, with
+    """The masked form of step j's attention: split_kv over the steps' keys and values concatenated, with
     ttt_mask (what training computed before ttt_attention)."""
-    from engine.model import grouped_attention
+    from engine.model import split_kv
 
-    return grouped_attention(q, torch.cat(k, dim=2), torch.cat(v, dim=2), D.ttt_mask(q.shape[2], len(k) - 1))
+    return split_kv(q, torch.cat(k, dim=2), torch.cat(v, dim=2), D.ttt_mask(q.shape[2], len(k) - 1))
 
 
 @pytest.mark.parametrize("heads,kv", [(4, 2), (3, 3)])
@@ -272,11 +272,10 @@ def test_ttt_attention_equals_the_masked_form_forward_and_backward(heads, kv, j)
 def test_ttt_loss_and_gradients_equal_the_masked_path(monkeypatch):
     """The whole training-time test of a tiny GQA drafter (4 query heads, 2 KV heads) through ttt_attention gives
     the loss, accuracies and gradients of the masked form; the module's own attention is restored after."""
-    from engine.model import grouped_attention
-
     torch.manual_seed(0)
     target = random_model(tiny_config(64), seed=1)
     drafter = new_drafter(target.cfg, torch.arange(0, 64, 2), target.embed_tokens, seed=2)
+    own = drafter.midlayer.self_attn.attend
     x = torch.randint(0, 64, (2, 12))
     tg = D.target_outputs(target, drafter, x)
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -285,7 +284,7 @@ def test_ttt_loss_and_gradients_equal_the_masked_path(monkeypatch):
         monkeypatch.setattr(D, "ttt_attention", attend)  # what unrolled() swaps in
         loss, accs = D.ttt_loss(drafter, x, tg, 4, 0.8)
         results.append((loss, accs, torch.autograd.grad(loss, params)))
-        assert drafter.midlayer.self_attn.attend is grouped_attention and drafter.midlayer.self_attn.cache is None
+        assert drafter.midlayer.self_attn.attend is own and drafter.midlayer.self_attn.cache is None
     (loss, accs, grads), (ref_loss, ref_accs, ref_grads) = results
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
     assert accs == ref_accs
