@@ -13,7 +13,7 @@ import click
 
 from engine.cli_options import (EXIT_BAD_INPUT, EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED, SEED, FiniteFloatRange,
                                 debug_option, debug_requested, default_device, engine_options, int_list, load_engine,
-                                with_debug)
+                                set_threads, threads_note, threads_option, with_debug)
 from engine.errors import EngineError
 from engine.train import train_command
 
@@ -78,6 +78,7 @@ def model_options(max_seq_len_help: str, seed_help: str, compile_help: str = "")
     """What to load and how to run it (engine/cli_options.py), plus --seed and --json, with this command's help."""
     return engine_options(None, max_seq_len_help, compile_help=compile_help, extra=[
         click.option("--seed", default=0, show_default=True, type=SEED, help=seed_help),
+        threads_option(),
         click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")])
 
 
@@ -92,23 +93,27 @@ def model_options(max_seq_len_help: str, seed_help: str, compile_help: str = "")
 @click.option("--top-p", default=1.0, show_default=True, type=FiniteFloatRange(0, 1, min_open=True),
               help="1 = off.")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the model's end-of-sequence ids.")
-def generate(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, ignore_eos, as_json, **load) -> None:
-    """Generate from a prompt; prints the text, the token ids, tok/s and ms per token."""
+def generate(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, ignore_eos, threads, as_json,
+             **load) -> None:
+    """Generate from a prompt; prints the text, the token ids, tok/s, ms per token and the threads that ran."""
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids IDS")
+    n_threads, why = set_threads(threads, load["device"])
     eng = load_engine(**{**load, "max_seq_len": load["max_seq_len"] or 2048})
     ids = eng.encode(prompt) if prompt is not None else prompt_ids
     r = eng.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                      stop_ids=() if ignore_eos else eng.eos_ids, seed=load["seed"])
     text = eng.decode(r.token_ids)
     if as_json:
-        click.echo(json.dumps({**eng.info(), **r.to_dict(), "text": text}))
+        click.echo(json.dumps({**eng.info(), **r.to_dict(), "text": text, "threads": n_threads,
+                               "threads_from": why}))
         return
     click.echo(text)
     click.echo(f"-- token ids: {r.token_ids}", err=True)
     click.echo(f"-- {len(r.token_ids)} tokens ({r.finish_reason}), prompt {r.prompt_len} | prefill "
                f"{1000 * r.prefill_s:.1f} ms | decode {r.tok_s:.1f} tok/s, {r.ms_per_token:.3f} ms/token | "
-               f"accept length {r.accept_length:.2f} | {eng.info()['device']} {eng.info()['dtype']}", err=True)
+               f"accept length {r.accept_length:.2f} | {eng.info()['device']} {eng.info()['dtype']}, "
+               f"{threads_note(n_threads, why)}", err=True)
 
 
 @cli.command()
@@ -128,9 +133,9 @@ def generate(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, igno
               help="Also time transformers' generate (static cache) on the same weights.")
 @click.option("--torch-profile", is_flag=True,
               help="Also print torch.profiler's kernel-level table of the fastest variant's decode steps.")
-def bench(prompt_len, new_tokens, repeats, sizes, eager, peer, torch_profile, as_json, **load) -> None:
+def bench(prompt_len, new_tokens, repeats, sizes, eager, peer, torch_profile, threads, as_json, **load) -> None:
     """Decode tok/s and ms/token (graph and eager), bandwidth utilisation against the copy bandwidth measured in
-    the same run, forward cost per T, and transformers' static-cache generate as the peer."""
+    the same run, forward cost per T, and transformers' static-cache generate as the peer; the threads that ran."""
     from engine.bench import BenchConfig, format_bench, run_bench
 
     # --compile adds a "compiled" baseline row; the target-alone engine stays plain so "graph" is the uncompiled
@@ -141,9 +146,11 @@ def bench(prompt_len, new_tokens, repeats, sizes, eager, peer, torch_profile, as
                       eager=eager, peer=peer, compile=load.pop("compile_"), seed=load["seed"],
                       torch_profile=torch_profile)
     cfg = cfg.resolve(torch.device(default_device(load["device"])))
+    n_threads, why = set_threads(threads, load["device"])
     eng = load_engine(**{**load, "max_seq_len": load["max_seq_len"] or cfg.cache_len()},
                       compile_=cfg.compile and load["drafter"] is not None)
     r = run_bench(eng, cfg)
+    r.threads_from = why
     click.echo(json.dumps(r.to_dict()) if as_json else format_bench(r))
 
 
