@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from specbook import SpecbookError, execute, parallel, provenance, records
+from specbook import RunFailed, SpecbookError, execute, parallel, provenance, records
 from specbook.execute import Target, target
 from specbook.execute import run as run_target
 from specbook.runbooks import check_name, check_profile, discover, find_root, load, parse_cli
@@ -42,8 +42,9 @@ Exit codes (the same meanings as python -m engine's):
   2    bad input or usage: unknown runbook, profile, option or parameter, malformed header or
        record; one line on stderr (`list`, `status`, `context`: a malformed record file, named
        on stderr; the others are still shown)
-  3    internal failure, could not run: a runbook failed, timed out, or cannot run on this
-       machine's profile; one line on stderr (--debug shows the traceback)
+  3    internal failure, could not run: a runbook failed or timed out, or the profile asked for
+       is another machine's hardware (`run --profile h200` on a CPU; a misspelt profile is 2);
+       one line on stderr (--debug shows the traceback)
   130  interrupted (Ctrl-C)"""
 
 DEBUG = "specbook.debug"  # key in click's context meta, shared by the group and its subcommands
@@ -240,9 +241,9 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, recor
     if profile:
         check_profile(root, profile)
     profile = profile or here
-    if not provenance.runs_here(profile, here):
-        raise SpecbookError(f"cannot measure profile {profile} on this machine (it is {here}); "
-                            f"`runbook verify --profile {profile}` reports its records")
+    if not provenance.runs_here(profile, here):  # a known profile, other hardware: could not run here (3)
+        raise RunFailed(f"cannot measure profile {profile} on this machine (it is {here}); "
+                        f"`runbook verify --profile {profile}` reports its records")
     t = target(root, name, profile, overrides)
     _log("will run: " + ", ".join(_plan(t, force)) + ("" if record_ else
                                                       " (measure only; --record writes baselines/ and docs/)"))
@@ -297,7 +298,7 @@ def record_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profiles: tupl
     for p in profiles:
         check_profile(root, p)
         if not provenance.runs_here(p, here):
-            raise SpecbookError(f"cannot measure profile {p} on this machine (it is {here})")
+            raise RunFailed(f"cannot measure profile {p} on this machine (it is {here})")
     todo = [j for p in profiles or (here,) for j in jobs(root, p, list(names) or None)]
     _log("will record: " + ", ".join(j.key for j in todo))
     done = record_all(root, todo, _gpu_ids(gpus), log=_log, progress=not as_json)

@@ -147,7 +147,9 @@ def test_reproduces_must_be_recorded(tmp_path):
     (("show", "a/b"), 2, "invalid runbook name"),
     (("run", "bench", "-p", "valeu=3"), 2, "did you mean value"),
     (("run", "bench", "-p", "value=fast"), 2, "must be float"),
-    (("run", "bench", "--profile", "h200"), 2, "cannot measure profile h200 on this machine (it is cpu)"),
+    (("run", "bench", "--profile", "h200"), 3, "cannot measure profile h200 on this machine (it is cpu)"),
+    (("record", "bench", "--profile", "h200"), 3, "cannot measure profile h200 on this machine (it is cpu)"),
+    (("run", "bench", "--profile", "h2OO"), 2, "unknown profile 'h2OO'"),
     (("run", "gpuonly"), 3, "cannot run on profile cpu"),
     (("verify", "nope"), 2, "unknown runbook 'nope'"),
 ])
