@@ -16,7 +16,7 @@ from specbook.execute import Target, target
 from specbook.execute import run as run_target
 from specbook.runbooks import check_name, check_profile, discover, find_root, load, parse_cli
 from specbook.verify import (FAILED, FAILING, INVALID, STALE, STATES, Verdict, age, drift, exit_code, plan,
-                             recorded_here, status, verify)
+                             recorded_here, recorded_seconds, status, verify)
 
 # Exit codes: the same meanings as `python -m engine`'s (engine/cli_options.py); tests/test_cli_conventions.py holds
 # them together
@@ -441,6 +441,7 @@ def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str |
                     as_json)
         return
     ids = _gpu_ids(gpus)
+    _announce_verify(root, here, list(names) or None, profile, ids)
     verdicts = verify(root, here, list(names) or None, profile, progress=not as_json, log=_log, gpus=ids)
     code = exit_code(verdicts)
     problems = [str(p) for p in _check_docs(root)] if docs else []
@@ -453,6 +454,39 @@ def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str |
     _emit(as_json, {"profile": here, "verdicts": [v.as_dict() for v in verdicts], "docs": problems,
                     "exit_code": code}, text)
     ctx.exit(code)
+
+
+def _announce_verify(root: Path, here: str, names: list[str] | None, profile: str | None, ids: list[str]) -> None:
+    """Before a verify runs anything, as `run` does: which runbooks on which profiles it will re-measure (the
+    variants of this machine's profile too), the dependencies it must build first, and `--plan`'s estimate."""
+    planned, wall, _ = plan(root, here, names, profile, ids)
+    if not planned:
+        return
+    keys = {(x.runbook, x.profile) for x in planned}
+    builds: dict[tuple[str, str], float] = {}
+    for x in planned:
+        for dep in _missing_upstream(target(root, x.runbook, x.profile)):
+            if (dep.rb.name, dep.profile) not in keys:
+                prof = records.load(records.path_for(root, dep.rb.name)).data["profiles"].get(dep.profile, {})
+                builds[(dep.rb.name, dep.profile)] = recorded_seconds(root, dep.rb.name, dep.profile, prof)[0] or 0
+    profiles = sorted({x.profile for x in planned})
+    line = "will verify: " + ", ".join(f"{x.runbook} ({x.profile})" for x in planned)
+    if builds:
+        line += "; first builds (not cached): " + ", ".join(f"{n} ({p})" for n, p in builds)
+    line += f"; estimated {(wall + sum(builds.values())) / 60:.1f} min from the recorded runs (`runbook verify " \
+            f"--plan` times each re-measured one)"
+    if len(profiles) > 1 and profile is None:
+        line += f"; `--profile {profiles[0]}` verifies one profile of {', '.join(profiles)}"
+    _log(line)
+
+
+def _missing_upstream(t: Target) -> list[Target]:
+    """`t`'s dependencies, transitively, whose outputs are not cached: a run builds them first."""
+    out = []
+    for dep in t.upstream.values():
+        if not dep.done:
+            out += [*_missing_upstream(dep), dep]
+    return out
 
 
 def _print_plan(root: Path, machine: str, names: list[str] | None, profile: str | None, gpus: str,

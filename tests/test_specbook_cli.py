@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -350,3 +351,21 @@ def test_run_marks_an_exact_number_that_moved_as_a_difference_not_one_run(tmp_pa
     (root / "value.txt").write_text("101")
     r = cli(root, "run", "bench")
     assert r.exit_code == 0 and "changed (exact number)" in r.stdout and "in one run" not in r.stdout
+
+
+def test_verify_announces_the_profiles_and_builds_it_will_run_with_an_estimate(tmp_path):
+    """`verify NAME` re-measures every variant of this machine's profile too; it says so before running, with what
+    it must build first and --plan's estimate, as `run` says what it will run."""
+    exact = 'record("y", value, unit="n", direction="none", kind="exact")'
+    root = make_repo(tmp_path, up=runbook_text(profiles="{cpu: {}, cpu.v: {}}", body=exact),
+                     one=runbook_text(profiles="{cpu: {}, cpu.v: {value: 2.0}}", body=exact,
+                                      extra_header="depends: [up]"))
+    for profile in ("cpu", "cpu.v"):
+        assert cli(root, "run", "one", "--record", "--profile", profile).exit_code == 0
+    shutil.rmtree(root / ".specbook" / "outputs" / "up" / "cpu.v")  # not cached: the verify builds it first
+    r = cli(root, "verify", "one")
+    assert r.exit_code == 0, r.output
+    first = r.stderr.splitlines()[0]
+    assert first.startswith("will verify: one (cpu), one (cpu.v); first builds (not cached): up (cpu.v); "
+                            "estimated "), first
+    assert "`--profile cpu` verifies one profile of cpu, cpu.v" in first
