@@ -13,7 +13,7 @@ import click
 
 from engine.cli_options import (EXIT_BAD_INPUT, EXIT_CODES, EXIT_INTERNAL, EXIT_INTERRUPTED, SEED, FiniteFloatRange,
                                 debug_option, debug_requested, default_device, engine_options, int_list, load_engine,
-                                set_threads, threads_note, threads_option, with_debug)
+                                with_debug)
 from engine.errors import EngineError
 from engine.train import train_command
 
@@ -72,6 +72,27 @@ def _fail(ctx: click.Context, message: str | None, code: int) -> None:
 def cli() -> None:
     """The bundled speculative-decoding engine: a target model (HF-format directory or a named random-weight
     shape), optionally an EAGLE-3 drafter, a static KV cache and CUDA-graph decoding."""
+
+
+def threads_option():
+    """--threads: torch's intra-op threads on a CPU (engine.cpu_threads chooses them when it is not given). Here,
+    not in cli_options.py, which runbooks import through the server and training: an option of two commands would
+    change their inputs hash."""
+    return click.option("--threads", default=None, type=click.IntRange(min=1),
+                        help="CPU threads [default: OMP_NUM_THREADS if set, else one per physical core that other "
+                             "processes leave free, at least 1; on a GPU torch's default].")
+
+
+def set_threads(threads: int | None, device: str | None) -> tuple[int, str]:
+    """Apply --threads for the device the command will run on: (count, where it came from)."""
+    from engine import cpu_threads
+
+    return cpu_threads.set_threads(threads, default_device(device))
+
+
+def threads_note(n: int, why: str) -> str:
+    """How the output names the threads that ran: '1 thread (free cores)'."""
+    return f"{n} thread{'s' if n != 1 else ''} ({why})"
 
 
 def model_options(max_seq_len_help: str, seed_help: str, compile_help: str = ""):
@@ -150,8 +171,11 @@ def bench(prompt_len, new_tokens, repeats, sizes, eager, peer, torch_profile, th
     eng = load_engine(**{**load, "max_seq_len": load["max_seq_len"] or cfg.cache_len()},
                       compile_=cfg.compile and load["drafter"] is not None)
     r = run_bench(eng, cfg)
-    r.threads_from = why
-    click.echo(json.dumps(r.to_dict()) if as_json else format_bench(r))
+    if as_json:
+        click.echo(json.dumps({**r.to_dict(), "threads": n_threads, "threads_from": why}))
+        return
+    head, _, rest = format_bench(r).partition("\n")  # the threads on the line that says what ran where
+    click.echo(f"{head}, {threads_note(n_threads, why)}\n{rest}")
 
 
 # ---- commands owned by other modules ------------------------------------------------------------------------

@@ -79,8 +79,6 @@ class BenchResult:
     errors: dict[str, str] = field(default_factory=dict)  # optional measurements that failed: name -> why
     step_ms: dict[str, float] | None = None  # kernel time per profiled step: matrix, attention, other; kernel count
     profiled: str | None = None  # which decode variant was profiled ("compiled", "graph", or "eager" on CPU)
-    threads: int | None = None  # torch's intra-op threads the run took (the CLI chooses them: engine.cpu_threads)
-    threads_from: str = ""  # where that count came from: --threads, OMP_NUM_THREADS, free cores, torch's default
 
     @property
     def t8_over_t1(self) -> float | None:
@@ -239,8 +237,7 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
     graphs = device.type == "cuda"
     res = BenchResult(model=eng.name, device=str(device), dtype=str(model.dtype).removeprefix("torch."),
                       graphs=graphs, prompt_len=cfg.prompt_len, new_tokens=cfg.new_tokens, max_seq_len=eng.max_seq_len,
-                      weight_bytes=model.weight_bytes(), copy_gb_s=copy_bandwidth(device),
-                      threads=torch.get_num_threads())
+                      weight_bytes=model.weight_bytes(), copy_gb_s=copy_bandwidth(device))
     prompt = random_prompt(model.cfg.vocab_size, cfg.prompt_len, cfg.seed)
     stat = lambda dec: decode_stat(dec, prompt, cfg, res.weight_bytes, res.copy_gb_s)  # noqa: E731
     fastest = TargetDecoder(model, eng.max_seq_len, cuda_graphs=True)
@@ -279,9 +276,7 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
 def format_bench(r: BenchResult) -> str:
     gb = r.weight_bytes / 1e9
     lines = [f"{r.model} on {r.device} ({r.dtype}), prompt {r.prompt_len}, {r.new_tokens} new tokens, cache "
-             f"{r.max_seq_len}, weights read per token {gb:.3f} GB, copy bandwidth {r.copy_gb_s:.1f} GB/s"
-             + (f", {r.threads} thread{'s' if r.threads != 1 else ''}"
-                + (f" ({r.threads_from})" if r.threads_from else "") if r.threads else ""),
+             f"{r.max_seq_len}, weights read per token {gb:.3f} GB, copy bandwidth {r.copy_gb_s:.1f} GB/s",
              "", f"{'decode':<22}{'tok/s':>10}{'ms/token':>10}{'bw util':>9}{'accept':>8}"]
     for name, d in r.decode.items():
         label = name if r.graphs or name != "graph" else "graph (eager on cpu)"

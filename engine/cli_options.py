@@ -89,25 +89,6 @@ def int_list(minimum: int) -> Callable[[click.Context, click.Parameter, str | No
     return parse
 
 
-def threads_option() -> Callable[[Callable], Callable]:
-    """--threads: torch's intra-op threads on a CPU (engine.cpu_threads chooses them when it is not given)."""
-    return click.option("--threads", default=None, type=click.IntRange(min=1),
-                        help="CPU threads [default: OMP_NUM_THREADS if set, else one per physical core that other "
-                             "processes leave free, at least 1; on a GPU torch's default].")
-
-
-def set_threads(threads: int | None, device: str | None) -> tuple[int, str]:
-    """Apply --threads (engine.cpu_threads.set_threads) for the device the command will run on: (count, why)."""
-    from engine.cpu_threads import set_threads as apply
-
-    return apply(threads, default_device(device))
-
-
-def threads_note(n: int, why: str) -> str:
-    """How the output names the threads that ran: '1 thread (free cores)'."""
-    return f"{n} thread{'s' if n != 1 else ''} ({why})"
-
-
 def engine_options(max_seq_len: int | None, max_seq_len_help: str,
                    extra: Sequence[Callable[[Callable], Callable]] = (),
                    compile_help: str = "") -> Callable[[Callable], Callable]:

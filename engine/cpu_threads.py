@@ -5,7 +5,7 @@ times slower than on one thread (each step's threads meet at a barrier every op,
 rest). So, as llama.cpp takes one thread per physical core, the engine takes one per physical core of its affinity
 mask, less the cores other processes used over a short look at the kernel's counters (/proc/stat), at least one.
 `--threads N` (generate, bench) or OMP_NUM_THREADS decide instead. Linux reads the load; elsewhere the physical
-cores decide. Reads no torch at import time (engine/cli_options.py imports it).
+cores decide. No torch at import time; only engine/__main__.py imports it (no runbook hashes it).
 """
 from __future__ import annotations
 
