@@ -322,7 +322,7 @@ def test_profile_variants_run_here_record_apart_and_carry_through_dependencies(t
     metrics = {p: v["metrics"]["x"]["value"] for p, v in baseline(root, "down")["profiles"].items()}
     assert metrics == {"cpu": 2.0, "cpu.alt": 41.0}
     assert (root / "docs" / "runbooks" / "executed" / "down-cpu.alt.ipynb").exists()
-    _one_line_error(cli(root, "run", "--record", "down", "--profile", "h200.alt"), 2, "h200.alt", "it is cpu")
+    _one_line_error(cli(root, "run", "--record", "down", "--profile", "h200.alt"), 3, "h200.alt", "it is cpu")
     r = cli(root, "verify", "--json")
     assert r.exit_code == 0, r.stderr
     verdicts = {(v["profile"], v["state"]) for v in json.loads(r.stdout)["verdicts"] if v["runbook"] == "down"}
