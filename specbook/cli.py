@@ -353,6 +353,9 @@ def _conclusion(root: Path, o, prof: dict, recorded: bool) -> str:
     where = o.notebook.relative_to(root) if o.notebook else None
     if where:
         lines.append(f"executed notebook (plots and tables): {where}")
+    info = outputs_of(root, o.target)
+    if info["command"] and info["built"]:
+        lines += [f"run what it ran on (`runbook outputs {rb.name}` lists every path):", f"  {info['command']}"]
     lines.append(f"recorded as run {o.run_id}: commit baselines/ and docs/ on purpose" if recorded and o.run_id else
                  f"nothing recorded; `runbook run {rb.name} --record` writes these numbers into baselines/")
     return "\n".join(lines)
@@ -620,6 +623,71 @@ def _run_line(profile: str, r: dict) -> str:
             f", engine {p.get('engine_hash')}, torch {v.get('torch')}, cuda {v.get('cuda')}, "
             f"gpu {','.join(gpu.get('names', [])) or 'none'} x{gpu.get('count', 0)}"
             f"{', ' + '+'.join(active) + ' active' if active else ''}, params {r.get('parameters')}")
+
+
+@main.command("outputs")
+@click.argument("name")
+@click.option("--profile", help="This machine's hardware profile (default: detected) or another declared one, e.g. "
+              "cpu.dsv3.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_obj
+def outputs_(obj: Ctx, name: str, profile: str | None, as_json: bool) -> None:
+    """Where runbook NAME's outputs and its dependencies' are (the trained models under .specbook/outputs/, for
+    the code and parameters as they are now) and the command that uses them, as the runbooks' headers name them."""
+    root = obj.root
+    load(root, name)
+    if profile:
+        check_profile(root, profile)
+    info = outputs_of(root, target(root, name, profile or provenance.detect_profile()))
+    _emit(as_json, info, _outputs_text(info))
+
+
+def outputs_of(root: Path, t: Target) -> dict[str, Any]:
+    """What runbook `t` and its dependencies leave for a person (their headers' `outputs`): each one's outputs
+    directory, whether it is built, its named paths, and `t`'s command with the directories filled in."""
+    chain: dict[str, Target] = {}
+
+    def walk(x: Target) -> None:
+        for dep in x.upstream.values():
+            walk(dep)
+        chain.setdefault(x.rb.name, x)
+
+    walk(t)
+    groups = [{"runbook": x.rb.name, "profile": x.profile, "dir": _shown(x.outputs_dir), "built": x.done,
+               "paths": {_shown(x.outputs_dir / n): what for n, what in x.rb.outputs.get("paths", {}).items()}}
+              for x in chain.values() if x.rb.outputs.get("paths")]
+    command = t.rb.outputs.get("command", "")
+    if command:
+        dirs = {n: _shown(x.outputs_dir) for n, x in chain.items()}
+        try:
+            command = command.format_map({**dirs, "outputs_dir": dirs[t.rb.name], "python": _shown(Path(sys.executable))})
+        except (KeyError, ValueError, IndexError) as e:
+            command = f"(the runbook's command could not be filled: {type(e).__name__} {e})"
+    return {"runbook": t.rb.name, "profile": t.profile, "built": all(x.done for x in chain.values()),
+            "outputs": groups, "command": command}
+
+
+def _shown(path: Path) -> str:
+    """A path as a person types it here: relative to the current directory when it lies below it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _outputs_text(info: dict[str, Any]) -> str:
+    name, profile = info["runbook"], info["profile"]
+    lines = []
+    for g in info["outputs"]:
+        state = "built" if g["built"] else "not built yet"
+        lines += [f"{g['runbook']} ({g['profile']}, {state}): {g['dir']}",
+                  *(f"  {path}  {what}" for path, what in g["paths"].items())]
+    if info["command"]:
+        lines += ["run it:" if info["built"] else "run it, once built:", f"  {info['command']}"]
+    if not info["built"]:
+        lines.append(f"not built yet for the code and parameters as they are: `runbook run {name}"
+                     f"{'' if profile == provenance.detect_profile() else ' --profile ' + profile}` builds them")
+    return "\n".join(lines) or f"runbook {name} names no outputs (its header has no `outputs`)"
 
 
 @main.command()

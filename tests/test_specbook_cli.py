@@ -369,3 +369,65 @@ def test_verify_announces_the_profiles_and_builds_it_will_run_with_an_estimate(t
     assert first.startswith("will verify: one (cpu), one (cpu.v); first builds (not cached): up (cpu.v); "
                             "estimated "), first
     assert "`--profile cpu` verifies one profile of cpu, cpu.v" in first
+
+
+OUTPUTS_UP = runbook_text(params='outputs_dir = ""', extra_header="""outputs:
+  paths: {model: "the model it trains"}
+  command: "{python} -m tool --model {outputs_dir}/model"
+""", body="""
+    from pathlib import Path
+    Path(outputs_dir, "model").write_text("weights")
+    record("y", 1, unit="n", direction="none", kind="exact")
+""")
+
+
+def test_outputs_names_the_built_paths_and_a_ready_command(tmp_path, monkeypatch):
+    """`runbook outputs NAME` says where the outputs of NAME and its dependencies are (hashed folders under
+    .specbook/outputs/) and fills in the command that uses them; the conclusion of a run shows that command."""
+    down = runbook_text(params="value = 1.0\nupstream = {}", extra_header="""depends: [up]
+outputs:
+  command: "{python} -m tool --model {up}/model --fast"
+""")
+    root = make_repo(tmp_path, up=OUTPUTS_UP, down=down)
+    monkeypatch.chdir(root)
+    r = cli(root, "outputs", "down")
+    assert r.exit_code == 0 and "not built yet" in r.stdout and "`runbook run down` builds them" in r.stdout
+    run = cli(root, "run", "down")
+    assert run.exit_code == 0, run.output
+    info = json.loads(cli(root, "outputs", "down", "--json").stdout)
+    assert info["built"] and [g["runbook"] for g in info["outputs"]] == ["up"]
+    (model, what), = info["outputs"][0]["paths"].items()
+    assert (root / model).read_text() == "weights" and what == "the model it trains"
+    assert model.startswith(".specbook/outputs/up/cpu/")  # relative to the current directory, as typed here
+    assert info["command"] == f"{sys.executable} -m tool --model {model} --fast"
+    text = cli(root, "outputs", "down").stdout
+    assert f"  {model}  the model it trains" in text and f"  {info['command']}" in text and "not built" not in text
+    assert f"  {info['command']}" in run.stdout.splitlines()  # the run's conclusion
+    assert cli(root, "outputs", "nope").exit_code == 2
+
+
+def test_naming_the_outputs_leaves_the_records_current(tmp_path):
+    """The header's `outputs` describe a run; adding them must not make the runbook's records stale."""
+    from specbook.execute import target
+
+    plain = "".join(line for line in OUTPUTS_UP.splitlines(keepends=True)
+                    if not line.startswith(("# outputs:", "#   paths:", "#   command:")))
+    assert plain != OUTPUTS_UP and "outputs" not in plain.split("```")[1]
+    root = make_repo(tmp_path, up=plain)
+    before = target(root, "up", "cpu").inputs_hash
+    write_runbook(root, "up", OUTPUTS_UP)
+    assert target(root, "up", "cpu").inputs_hash == before
+
+
+@pytest.mark.content
+def test_the_trained_pairs_outputs_are_the_layout_the_engine_names():
+    """The training runbooks' headers name their outputs for people; engine.train.layout names them for code."""
+    from engine.train.layout import DrafterOutputs, TargetOutputs
+    from specbook.runbooks import load
+
+    root = Path(__file__).resolve().parents[1]
+    t, d = TargetOutputs(Path("o")), DrafterOutputs(Path("o"))
+    assert set(load(root, "train-target").outputs["paths"]) == {t.target_a.name, t.target_b.name, t.tokenizer.name}
+    assert set(load(root, "train-drafter").outputs["paths"]) == {d.drafter_a.name}
+    command = load(root, "baseline-eagle3").outputs["command"]
+    assert f"{{train-target}}/{t.target_a.name}" in command and f"{{train-drafter}}/{d.drafter_a.name}" in command
