@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -244,6 +245,7 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, recor
     if not provenance.runs_here(profile, here):  # a known profile, other hardware: could not run here (3)
         raise RunFailed(f"cannot measure profile {profile} on this machine (it is {here}); "
                         f"`runbook verify --profile {profile}` reports its records")
+    started = time.monotonic()
     t = target(root, name, profile, overrides)
     _log("will run: " + ", ".join(_plan(t, force)) + ("" if record_ else
                                                       " (measure only; --record writes baselines/ and docs/)"))
@@ -267,11 +269,11 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, recor
                          "vs_recorded": _change(old, m.value), "run": o.run_id,
                          "notebook": str(o.notebook.relative_to(root)) if o.notebook else None,
                          "seconds": round(o.execution.seconds, 2)})
-    last = outcomes[-1]
     if as_json:
         _emit(True, rows, "")
         return
-    click.echo(_conclusion(root, last, before[name].data["profiles"].get(profile, {}), record_))
+    click.echo(_conclusion(root, outcomes, before[name].data["profiles"].get(profile, {}), record_,
+                           time.monotonic() - started))
 
 
 @main.command("record")
@@ -325,9 +327,12 @@ def _plan(t: Target, force: bool, seen: set[str] | None = None) -> list[str]:
     return out + [f"{t.rb.name} ({t.profile})"]
 
 
-def _conclusion(root: Path, o, prof: dict, recorded: bool) -> str:
-    """What the run says, for a person: the runbook's conclusion sentence, its headline numbers beside the
-    committed record (saying when that record was made on another machine), and where the notebook is."""
+def _conclusion(root: Path, outcomes: list, prof: dict, recorded: bool, total_s: float) -> str:
+    """What the whole run says, for a person: the runbook's conclusion sentence (and plainly when a speedup is
+    within its noise), its headline numbers beside the committed record (saying when that record was made on
+    another machine), what its dependencies measured on the way, the plots as PNG files, the time it all took, and
+    the command that uses what it built."""
+    o = outcomes[-1]
     rb, metrics = o.target.rb, {m.name: m for m in o.execution.metrics}
     lines = [f"== {rb.name} on {o.target.profile}: {rb.title}"]
     if rb.conclusion:
@@ -335,6 +340,8 @@ def _conclusion(root: Path, o, prof: dict, recorded: bool) -> str:
             lines.append(rb.conclusion.format(**{k: m.value for k, m in metrics.items()}))
         except (KeyError, ValueError, IndexError) as e:
             lines.append(f"(the runbook's conclusion could not be filled: {type(e).__name__} {e})")
+    if noise := _speedups_in_noise(list(metrics.values()), o.target.profile):
+        lines.append(noise)
     head = [metrics[n] for n in rb.reproduces if n in metrics] or list(metrics.values())
     if prof.get("metrics"):  # this kind of machine's own values, where it recorded them
         prof = recorded_here(prof, o.target.inputs_hash, provenance.machine())
@@ -348,11 +355,9 @@ def _conclusion(root: Path, o, prof: dict, recorded: bool) -> str:
     if entries:
         run_entry = records.run_of(prof, next(iter(entries.values()))["run"])
         lines.append(_machine_note(run_entry))
-    if o.notebook and (split := _time_split(o)):
-        lines.append(split)
-    where = o.notebook.relative_to(root) if o.notebook else None
-    if where:
-        lines.append(f"executed notebook (plots and tables): {where}")
+    lines += _dependency_lines(o.target, outcomes[:-1])
+    lines += _plot_lines(root, outcomes)
+    lines.append(_total_line(outcomes, total_s))
     info = outputs_of(root, o.target)
     if info["command"] and info["built"]:
         lines += [f"run what it ran on (`runbook outputs {rb.name}` lists every path):", f"  {info['command']}"]
@@ -361,13 +366,81 @@ def _conclusion(root: Path, o, prof: dict, recorded: bool) -> str:
     return "\n".join(lines)
 
 
+def _speedups_in_noise(metrics: list, profile: str) -> str | None:
+    """A speedup (a noisy ratio named *speedup*) whose tolerance band around it holds 1.0 is no speedup: say so in
+    words rather than leave a figure such as 1.03x to be read as one."""
+    flat = []
+    for m in metrics:
+        band = max(m.rel_tol * abs(m.value), m.abs_tol)
+        if m.kind == "noisy" and m.unit == "x" and "speedup" in m.name and abs(m.value - 1.0) <= band:
+            flat.append(f"{m.name} {m.value:.2f}x (tolerance \u00b1{band / abs(m.value):.0%})")
+    if not flat:
+        return None
+    where = "a CPU" if provenance.hardware_of(profile) == "cpu" else f"{provenance.hardware_of(profile)}"
+    return (f"no real speedup on {where}: {' and '.join(flat)} {'is' if len(flat) == 1 else 'are'} within "
+            "the noise of 1.0, the same speed as the baseline")
+
+
+def _dependency_lines(t: Target, ran: list) -> list[str]:
+    """What the runbooks it depends on measured in this run (their headline numbers), or that they were cached."""
+    if not t.upstream:
+        return []
+    lines = ["what it depended on:"]
+    by_name = {o.target.rb.name: o for o in ran}
+    for dep in _chain(t)[:-1]:
+        o = by_name.get(dep.rb.name)
+        if o is None:
+            lines.append(f"  {dep.rb.name} ({dep.profile}): built by an earlier run, cached (inputs {dep.inputs_hash}; "
+                         f"`--force` runs it again)")
+            continue
+        ms = {m.name: m for m in o.execution.metrics}
+        head = [ms[n] for n in dep.rb.reproduces if n in ms] or list(ms.values())
+        numbers = ", ".join(f"{m.name} {_num(m.value)}{' ' + m.unit if m.unit else ''}" for m in head)
+        lines.append(f"  {dep.rb.name} ({dep.profile}, ran {o.seconds:.0f} s): {numbers or 'no numbers'}")
+    return lines
+
+
+def _chain(t: Target) -> list[Target]:
+    """`t` and what it depends on, transitively, dependencies first, each once."""
+    out: dict[str, Target] = {}
+
+    def walk(x: Target) -> None:
+        for dep in x.upstream.values():
+            walk(dep)
+        out.setdefault(x.rb.name, x)
+
+    walk(t)
+    return list(out.values())
+
+
+def _plot_lines(root: Path, outcomes: list) -> list[str]:
+    """The plots of every runbook that ran, as PNG files in .specbook/executed/ (they open without Jupyter), and
+    the executed notebook of the last."""
+    lines = []
+    for o in outcomes:
+        if o.notebook and (pngs := execute.extract_plots(o.notebook, root / execute.LOCAL_EXECUTED)):
+            lines.append(f"plots of {o.target.rb.name}: {', '.join(_shown(p) for p in pngs)}")
+    if outcomes[-1].notebook:
+        lines.append(f"executed notebook (plots and tables): {_shown(outcomes[-1].notebook)}")
+    return lines
+
+
+def _total_line(outcomes: list, total_s: float) -> str:
+    """The whole run's wall time and each runbook's share; the last one's split into cells and kernel start. The
+    first runbook's share counts from the process's start (execute._lap), before this command's clock began."""
+    total_s = max(total_s, sum(o.seconds for o in outcomes))
+    parts = ", ".join(f"{o.target.rb.name} {o.seconds:.0f} s" for o in outcomes)
+    split = _time_split(outcomes[-1]) if outcomes[-1].notebook else None
+    return f"took {total_s:.0f} s in all ({parts})" + (f"; {split}" if split else "")
+
+
 def _time_split(o) -> str | None:
     """Where a run's wall time went: its cells, the kernel's start, and the rest (imports, hashes, the record)."""
     cells, kernel = execute.notebook_seconds(o.notebook), execute.kernel_start_seconds(o.notebook)
     if not o.seconds or cells is None or kernel is None:
         return None
     rest = max(0.0, o.seconds - cells - kernel)
-    return f"took {o.seconds:.0f} s: {cells:.0f} s in its cells, {kernel:.0f} s starting the kernel, {rest:.0f} s " \
+    return f"{o.target.rb.name}: {cells:.0f} s in its cells, {kernel:.0f} s starting the kernel, {rest:.0f} s " \
            "outside the notebook"
 
 
@@ -645,14 +718,7 @@ def outputs_(obj: Ctx, name: str, profile: str | None, as_json: bool) -> None:
 def outputs_of(root: Path, t: Target) -> dict[str, Any]:
     """What runbook `t` and its dependencies leave for a person (their headers' `outputs`): each one's outputs
     directory, whether it is built, its named paths, and `t`'s command with the directories filled in."""
-    chain: dict[str, Target] = {}
-
-    def walk(x: Target) -> None:
-        for dep in x.upstream.values():
-            walk(dep)
-        chain.setdefault(x.rb.name, x)
-
-    walk(t)
+    chain = {x.rb.name: x for x in _chain(t)}
     groups = [{"runbook": x.rb.name, "profile": x.profile, "dir": _shown(x.outputs_dir), "built": x.done,
                "paths": {_shown(x.outputs_dir / n): what for n, what in x.rb.outputs.get("paths", {}).items()}}
               for x in chain.values() if x.rb.outputs.get("paths")]
