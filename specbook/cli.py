@@ -501,11 +501,14 @@ def _refresh_docs(root: Path, ran: list[str]) -> None:
 @click.option("--plan", "plan_only", is_flag=True, help="Run nothing: list what would be re-measured, the cell "
               "time of each runbook's recorded run and the estimated wall time on --gpus. With --profile it plans "
               "for that profile's machine, e.g. an h200 verify from a laptop (--gpus N: N such GPUs).")
+@click.option("--save", is_flag=True, help="Write each re-measured number's verdict (state, date, machine, commit) "
+              "into baselines/verified/verdicts.yaml, which the status page shows as 'last verified': commit it. "
+              "Without it a verify changes no tracked file.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (no progress bar).")
 @click.pass_obj
 @click.pass_context
 def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str | None, docs: bool, show_all: bool,
-            gpus: str, plan_only: bool, as_json: bool) -> None:
+            gpus: str, plan_only: bool, save: bool, as_json: bool) -> None:
     """Re-run what can run here and judge each number against its record: a noisy one (a timing) within its
     tolerance (derived from the recorded samples, at most 25%; outside it, two of three measurements decide, and
     with changed code they are paired with the recorded commit's engine: side by side without GPUs, in turn on a
@@ -520,6 +523,13 @@ def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str |
     _announce_verify(root, here, list(names) or None, profile, ids)
     verdicts = verify(root, here, list(names) or None, profile, progress=not as_json, log=_log, gpus=ids)
     code = exit_code(verdicts)
+    if save:
+        from specbook import verified
+
+        with records.docs_lock(root):  # two verifies saving at once: one after the other, neither entry lost
+            saved = verified.save(root, verdicts)
+        _log(f"saved the verdicts of {len(saved)} numbers in {verified.PATH}: commit it; `runbook site` shows them "
+             "on the status page")
     problems = [str(p) for p in _check_docs(root)] if docs else []
     if problems and code == 0:
         code = 1

@@ -226,6 +226,7 @@ def llms_full_txt(root: Path | str) -> str:
 # ---------------------------------------------------------------------------------------------- status page
 
 STATUS_PAGE = Path("docs") / "status.md"
+VERIFIED = "baselines/verified/verdicts.yaml"  # specbook.verified.PATH, named here without importing it
 
 
 def status_page(root: Path | str) -> str:
@@ -233,6 +234,7 @@ def status_page(root: Path | str) -> str:
     on every machine: nothing runs), and the run that measured it. Generated; CI fails when it is out of date."""
     root = Path(root)
     index = verify.index(root, here="-")  # "-": no machine's view; where a number can be re-measured is a column
+    last = _last_verified(root)
     rows, newest, cache = [], "", {}
     for path in [*claims.doc_files(root), *claims.extra_files(root)]:
         if path.resolve() == (root / STATUS_PAGE).resolve():
@@ -245,16 +247,16 @@ def status_page(root: Path | str) -> str:
             if c.run and v is not None and (run := claims.pinned_run(root, c, cache)) is not None:
                 commit = str((run.get("provenance") or {}).get("git_commit") or "-")[:10]
                 rows.append(f"| `{c.label}` | {link} | {c.literal} {v.unit} | - | **{claims.PINNED}** | - | "
-                            f"{str(run.get('date'))[:10]}, {verify.hardware(c.profile, run)}, commit `{commit}` |")
+                            f"{str(run.get('date'))[:10]}, {verify.hardware(c.profile, run)}, commit `{commit}` | - |")
                 continue
             if v is None:
-                rows.append(f"| `{c.key}` | {link} | {c.literal} | | unrecorded | | |")
+                rows.append(f"| `{c.key}` | {link} | {c.literal} | | unrecorded | | | |")
                 continue
             newest = max(newest, v.date[:10])
             where = "hand-measured" if v.state == verify.REPORTED else f"on `{v.profile.split('.')[0]}`"
             inputs = v.inputs if v.state != verify.REPORTED else "-"
             rows.append(f"| `{c.key}` | {link} | {c.literal} {v.unit} | {where} | **{v.state}** | {inputs} | "
-                        f"{v.date[:10]}, {v.hardware}, commit `{v.commit or '-'}` |")
+                        f"{v.date[:10]}, {v.hardware}, commit `{v.commit or '-'}` | {last.get(c.key, '-')} |")
     counts = {s: sum(f"**{s}**" in r for r in rows) for s in (*verify.STATES, claims.PINNED)}
     head = ["---", "title: Status of every documented number", "status: generated", f"updated: {newest or '-'}",
             "runbooks: []", "records: []", "---", "", "# Status of every documented number", "",
@@ -266,11 +268,23 @@ def status_page(root: Path | str) -> str:
                                                                          verify.REPORTED))
             + f"; **{claims.PINNED}**: {claims.PINNED_MEANING}",
             "- Re-measured: where the number can be measured again (`cpu` numbers by CI on every submission; `h200` "
-            "numbers by `runbook verify --profile h200` on a lent H200).", "",
+            "numbers by `runbook verify --profile h200` on a lent H200).",
+            f"- Last verified: the verdict of the last `runbook verify --save` that re-measured the number, when, on "
+            f"what, at which commit (`{VERIFIED}`, committed); `-`: no saved verify yet.", "",
             "Counts: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + ".", "",
-            "| number | quoted at | value | re-measured | state | inputs since | measured (date, hardware, commit) |",
-            "|---|---|---|---|---|---|---|"]
+            "| number | quoted at | value | re-measured | state | inputs since | measured (date, hardware, commit) "
+            "| last verified |",
+            "|---|---|---|---|---|---|---|---|"]
     return "\n".join(head + rows) + "\n"
+
+
+def _last_verified(root: Path) -> dict[str, str]:
+    """Each number's last verify (`runbook verify --save`: specbook/verified.py), in words, by key."""
+    from specbook import verified
+
+    runs = {f"{n}/{p}/{m}": e.get("run") for n, rf in records.load_all(root, skip_broken=True).items()
+            for p, prof in rf.data["profiles"].items() for m, e in prof["metrics"].items()}
+    return {k: verified.describe(e, runs.get(k)) for k, e in verified.load(root).items()}
 
 
 def generated(root: Path | str) -> dict[Path, str]:

@@ -466,3 +466,36 @@ def test_the_conclusion_tells_the_whole_run(tmp_path, monkeypatch):
     assert took and int(took[1]) >= int(took[2]) + int(took[3]) - 1, out
     again = cli(root, "run", "down", "-p", "speedup=1.5").stdout
     assert "up (cpu): built by an earlier run, cached" in again and "no real speedup" not in again
+
+
+def test_verify_save_keeps_each_numbers_last_verdict_for_the_status_page(tmp_path):
+    """`verify --save` writes the verdict of every number it re-measured (state, date, machine, commit) into a
+    committed file apart from the records, keeps those it did not re-measure, and the status page shows it."""
+    from specbook import site, verified
+
+    exact = 'record("y", value, unit="n", direction="none", kind="exact")'
+    root = make_repo(tmp_path, one=runbook_text(body=exact), two=runbook_text(body=exact))
+    for name in ("one", "two"):
+        assert cli(root, "run", name, "--record").exit_code == 0
+    (root / "docs").mkdir(exist_ok=True)
+    (root / "docs" / "p.md").write_text("---\ntitle: T\nstatus: current\nupdated: 2026-11-29\nrunbooks: []\n"
+                                        "records: []\n---\nIt gives <!-- claim: one/cpu/y fmt=.1f -->1.0<!-- /claim "
+                                        "--> and <!-- claim: two/cpu/y fmt=.1f -->1.0<!-- /claim -->.\n")
+    records_before = {p.name: p.read_text() for p in (root / "baselines").glob("*.yaml")}
+    assert "| - |" in site.status_page(root).splitlines()[-1]  # never verified
+    assert cli(root, "verify", "one").exit_code == 0 and not (root / verified.PATH).exists()  # only when asked
+    r = cli(root, "verify", "one", "--save")
+    assert r.exit_code == 0, r.output
+    first = verified.load(root)
+    assert list(first) == ["one/cpu/y"]
+    entry = first["one/cpu/y"]
+    assert entry["state"] == "fresh" and entry["profile"] == "cpu" and entry["measured"] == 1.0
+    assert entry["machine"] == provenance.cpu_model() and entry["date"][:4] >= "2026"
+    assert cli(root, "verify", "two", "--save").exit_code == 0
+    both = verified.load(root)
+    assert set(both) == {"one/cpu/y", "two/cpu/y"} and both["one/cpu/y"] == entry  # the other kept as it was
+    assert {p.name: p.read_text() for p in (root / "baselines").glob("*.yaml")} == records_before
+    page = site.status_page(root)
+    assert "| last verified |" in page
+    row = next(line for line in page.splitlines() if "`one/cpu/y`" in line)
+    assert row.endswith(f"| fresh {entry['date'][:10]}, cpu on {entry['machine']}, commit `-` |"), row
