@@ -307,8 +307,25 @@ def test_status_page_names_a_pinned_claims_run(root):
     record_another_run(root, 91.25)
     page(root, "Before <!-- claim: bench/cpu/tok_s@r1 fmt=.1f -->82.5<!-- /claim --> tok/s, after "
                "<!-- claim: bench/cpu/tok_s@r2 fmt=.2f -->91.25<!-- /claim --> tok/s.\n")
-    rows = [r for r in site.status_page(root).splitlines() if r.startswith("| `bench/")]
-    assert rows[0].startswith("| `bench/cpu/tok_s@r1` |") and "| 82.5 tok/s |" in rows[0]
+    text = site.status_page(root)
+    rows = [r for r in text.split("## bench\n", 1)[1].splitlines() if r.startswith("| `cpu/")]
+    assert rows[0].startswith("| `cpu/tok_s@r1` |") and "| 82.5 tok/s |" in rows[0]
     assert "**pinned**" in rows[0] and "2026-11-29" in rows[0] and "2026-12-01" not in rows[0]
-    assert "| 91.25 tok/s |" in rows[1] and "2026-12-01" in rows[1] and "commit `abcdef1234`" in rows[1]
-    assert "Counts: 2 pinned." in site.status_page(root)
+    assert "| 91.25 tok/s |" in rows[1] and "2026-12-01" in rows[1] and "`abcdef1234`" in rows[1]
+    assert "(2 quotes): 2 pinned." in text
+
+
+def test_status_page_has_a_narrow_table_per_runbook_and_says_what_it_counts(root):
+    """A section per runbook (anchor: its name, for links that work on GitHub and the site), one row per number
+    however often it is quoted, short first cells; the counts say how they differ from `runbook status`'s."""
+    write_record(root, source="measured", profile="cpu")
+    page(root, "Decode at <!-- claim: bench/cpu/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s, or "
+               "<!-- claim: bench/cpu/tok_s fmt=range:.0f -->82-83<!-- /claim --> tok/s.\n")
+    page(root, "Again <!-- claim: bench/cpu/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s.\n", name="q.md")
+    text = site.status_page(root)
+    section = text.split("\n## bench\n", 1)[1]
+    rows = [r for r in section.splitlines() if r.startswith("| `")]
+    assert rows == [rows[0]] and rows[0].startswith("| `cpu/tok_s` | 82.5 / 82-83 tok/s | **current** | ")
+    assert "| [p.md:8](p.md), [q.md:8](q.md) |" in rows[0]
+    assert "`runbook status` counts something else: every recorded metric (1)" in text
+    assert "(3 quotes): 1 current." in text

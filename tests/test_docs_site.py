@@ -108,3 +108,30 @@ def test_search_index_has_the_docs_but_not_the_notebooks(built):
     locations = [d["location"] for d in index["docs"]]
     assert "findings/" in locations
     assert not [loc for loc in locations if loc.startswith("runbooks/executed/")]
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub and MkDocs' toc make it: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]|<[^>]+>", "", heading).strip().lower()
+    return re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", text))
+
+
+@pytest.mark.content
+def test_docs_links_work_in_plain_markdown_views():
+    """Links between docs pages go to files in the repository (not to pages only the site generates, such as
+    the dashboard) and to headings they have: GitHub and an agent's checkout show the Markdown as it is."""
+    docs = ROOT / "docs"
+    texts = {p: p.read_text() for p in [*docs.rglob("*.md"), ROOT / "README.md"]}
+    texts[docs / "status.md"] = site.status_page(ROOT)  # as `runbook site` writes it
+    dead = []
+    for page, text in texts.items():
+        for target, anchor in re.findall(r"\]\(([^)#\s]*\.md)(?:#([^)\s]+))?\)", text):
+            if re.match(r"\w+://", target):
+                continue
+            path = (page.parent / target).resolve()
+            if path not in texts and not path.is_file():
+                dead.append(f"{page.relative_to(ROOT)}: {target}")
+            elif anchor and anchor not in {_slug(h) for h in re.findall(r"^#+ (.+)$", texts.get(path) or
+                                                                           path.read_text(), flags=re.M)}:
+                dead.append(f"{page.relative_to(ROOT)}: {target}#{anchor}")
+    assert not dead, dead
