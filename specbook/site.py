@@ -84,31 +84,39 @@ def badge(verdict: str, why: str = "") -> str:
     return f'<span class="verdict verdict-{slug}"{title}>{html.escape(verdict)}</span>'
 
 
+PANEL_COLUMNS = 4  # small multiples per row of a history plot
+
+
 def history_svg(rows: list[Row]) -> str:
-    """Every metric's recorded history on one axes, relative to its current value (1.0 = now), so a group's trends
-    read at a glance; one axes keeps the build fast where small multiples per metric took seconds each."""
+    """Small multiples of a group's recorded history: one panel per metric, its values over the recorded runs with
+    its unit on the y axis, so no two quantities share an axis or a colour. Few ticks and text as SVG text keep the
+    build fast (a panel's ticks and glyph paths were most of its cost)."""
     import matplotlib  # noqa: PLC0415 - heavy, only needed when the site is built
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
 
-    fig, ax = plt.subplots(figsize=(8, 3))
-    runs = 1
-    for row in rows:
-        values = [h["value"] for h in row.history] or [row.value]
-        if row.value == 0:
-            continue
-        runs = max(runs, len(values))
-        ax.plot(range(1, len(values) + 1), [v / row.value for v in values], marker="o", label=row.metric)
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks(range(1, runs + 1))
-    ax.set_xlabel("recorded run")
-    ax.set_ylabel("value / current value")
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-    fig.subplots_adjust(left=0.09, right=0.7, bottom=0.17, top=0.95)
-    buf = io.StringIO()
-    fig.savefig(buf, format="svg", metadata={"Date": None})
-    plt.close(fig)
+    cols = min(PANEL_COLUMNS, max(1, len(rows)))
+    nrows = -(-len(rows) // cols)
+    height = 1.6 * nrows + 0.4
+    with matplotlib.rc_context({"svg.fonttype": "none", "font.size": 7}):
+        fig, axes = plt.subplots(nrows, cols, figsize=(2.2 * cols, height), squeeze=False)
+        for ax, row in zip(axes.flat, rows):
+            values = [h["value"] for h in row.history] or [row.value]
+            ax.plot(range(1, len(values) + 1), values, marker="o", ms=3, lw=1, color="tab:blue")
+            ax.set_title(row.metric, fontsize=7)
+            ax.set_ylabel(row.unit)
+            ax.set_xticks(sorted({1, len(values)}))
+            ax.yaxis.set_major_locator(MaxNLocator(nbins=3))
+        for ax in list(axes.flat)[len(rows):]:
+            ax.set_visible(False)
+        fig.supxlabel("recorded run (1 = first, last = the record now)", fontsize=7)
+        fig.subplots_adjust(left=0.1, right=0.98, bottom=0.45 / height, top=1 - 0.3 / height, hspace=0.75,
+                            wspace=0.6)
+        buf = io.StringIO()
+        fig.savefig(buf, format="svg", metadata={"Date": None})
+        plt.close(fig)
     return buf.getvalue()
 
 
@@ -135,33 +143,43 @@ def _table(rows: list[Row]) -> str:
 
 
 def dashboard(root: Path | str) -> tuple[str, dict[str, str]]:
-    """(dashboard.md text, {docs-relative path: SVG text} of its plots)."""
+    """(dashboard.md text, {docs-relative path: SVG text} of its plots). One function per section."""
     root = Path(root)
     rows = record_rows(root)
     groups: dict[tuple[str, str], list[Row]] = {}
     for r in rows:
         groups.setdefault((r.runbook, r.profile), []).append(r)
-    out = ["# Baselines dashboard", "",
-           "Every number recorded in `baselines/`, per runbook and hardware profile, with its verdict on this "
-           "machine. Generated from the records at build time; see the [runbook guide](runbooks/index.md) for what "
-           "the verdicts mean and how to reproduce a number.", ""]
-    if not rows:
-        out.append("No records yet: run `runbook run NAME`.")
+    out = _dashboard_intro(rows)
     for (runbook, profile), group in groups.items():
-        latest = max(group, key=lambda r: r.date)
-        out += [f"## {runbook} / {profile}", "",
-                f"**Hardware:** {html.escape(latest.hardware)} &nbsp; **Last recorded:** {latest.date}", ""]
-        verdicts = {r.verdict for r in group if r.verdict in VERDICT_ADMONITION}
-        for v in sorted(verdicts):
-            why = {verify.REPORTED: verify.MEANING[verify.REPORTED],
-                   verify.STALE: _stale_note(runbook, profile, group)}.get(v, f"re-run `runbook verify {runbook}`")
-            out += [f'!!! {VERDICT_ADMONITION[v]} "{v.capitalize()}"', f"    Numbers marked *{v}*: {why}.", ""]
-        notebook = EXECUTED / f"{runbook}-{profile}.ipynb"  # where `runbook run` keeps the executed notebook
-        if (root / notebook).is_file():
-            out += [f"Executed notebook: [{notebook.name}]({notebook.relative_to('docs').as_posix()})", ""]
-        out += [_table(group), "", f"![history of {runbook} / {profile}](dashboard/{runbook}-{profile}.svg)", ""]
+        out += _dashboard_group(root, runbook, profile, group)
     plots = {f"dashboard/{rb}-{pf}.svg": history_svg(g) for (rb, pf), g in groups.items()}
     return "\n".join(out) + "\n", plots
+
+
+def _dashboard_intro(rows: list[Row]) -> list[str]:
+    out = ["# Baselines dashboard", "",
+           "Every number recorded in `baselines/`, per runbook and hardware profile, with its verdict on this "
+           "machine and the history of each number, one panel per metric in its unit. Generated from the records "
+           "at build time; see the [runbook guide](runbooks/index.md) for what the verdicts mean and how to "
+           "reproduce a number, and the [status page](status.md) for where the docs quote them.", ""]
+    return out + (["No records yet: run `runbook run NAME`."] if not rows else [])
+
+
+def _dashboard_group(root: Path, runbook: str, profile: str, group: list[Row]) -> list[str]:
+    """A runbook on a profile: hardware, date, admonitions for numbers that are not fresh, the executed notebook,
+    the table and the history plot."""
+    latest = max(group, key=lambda r: r.date)
+    out = [f"## {runbook} / {profile}", "",
+           f"**Hardware:** {html.escape(latest.hardware)} &nbsp; **Last recorded:** {latest.date}", ""]
+    verdicts = {r.verdict for r in group if r.verdict in VERDICT_ADMONITION}
+    for v in sorted(verdicts):
+        why = {verify.REPORTED: verify.MEANING[verify.REPORTED],
+               verify.STALE: _stale_note(runbook, profile, group)}.get(v, f"re-run `runbook verify {runbook}`")
+        out += [f'!!! {VERDICT_ADMONITION[v]} "{v.capitalize()}"', f"    Numbers marked *{v}*: {why}.", ""]
+    notebook = EXECUTED / f"{runbook}-{profile}.ipynb"  # where `runbook run` keeps the executed notebook
+    if (root / notebook).is_file():
+        out += [f"Executed notebook: [{notebook.name}]({notebook.relative_to('docs').as_posix()})", ""]
+    return out + [_table(group), "", f"![history of {runbook} / {profile}](dashboard/{runbook}-{profile}.svg)", ""]
 
 
 def _stale_note(runbook: str, profile: str, group: list[Row]) -> str:

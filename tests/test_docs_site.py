@@ -60,9 +60,18 @@ def test_dashboard_history_plot(tmp_path):
         "value": 12.5, "unit": "ms", "direction": "lower", "tolerance": {"rel": 0.1}, "run": "a",
         "history": [{"value": 14.0, "run": "a"}, {"value": 12.5, "run": "a"}]}
     records.save(rf)
+    rf.data["profiles"]["cpu"]["metrics"]["tok_s"] = {
+        "value": 80.0, "unit": "tok/s", "direction": "higher", "tolerance": {"rel": 0.1}, "run": "a",
+        "history": [{"value": 75.0, "run": "a"}, {"value": 80.0, "run": "a"}]}
+    records.save(rf)
     text, plots = site.dashboard(tmp_path)
     assert 'data-record="bench/cpu/ms">12.5<' in text and "verdict-reported" in text
     assert list(plots) == ["dashboard/bench-cpu.svg"] and "<svg" in plots["dashboard/bench-cpu.svg"]
+    svg = plots["dashboard/bench-cpu.svg"]
+    # small multiples: a panel per metric, titled with it, its unit on the y axis (text kept as SVG text)
+    assert len(re.findall(r'<g id="axes_\d+"', svg)) == 2, svg[:2000]
+    for name, unit in (("ms", "ms"), ("tok_s", "tok/s")):
+        assert f">{name}</text>" in svg and f">{unit}</text>" in svg
 
 
 @pytest.mark.content
