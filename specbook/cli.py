@@ -212,6 +212,22 @@ def _exit_if_invalid(problems: list[str]) -> None:
         click.get_current_context().exit(2)
 
 
+def _failing_groups(verdicts: list[Verdict], total: int) -> str:
+    """One line per runbook and profile with numbers in a failing state (stale: which inputs changed), then how to
+    see every number."""
+    groups: dict[tuple[str, str], list[Verdict]] = {}
+    for v in verdicts:
+        if v.state in FAILING:
+            groups.setdefault((v.runbook, v.profile), []).append(v)
+    lines = []
+    for (runbook, profile), vs in groups.items():
+        states = ", ".join(f"{n} {s}" for s in STATES if (n := sum(v.state == s for v in vs)))
+        why = "; ".join(sorted({v.inputs if v.state == STALE else v.detail for v in vs} - {""}))
+        lines.append(f"  {runbook} ({profile}): {states}" + (f" - {why}" if why else ""))
+    head = ["not current:", *lines] if lines else ["every record is current or reported"]
+    return "\n".join([*head, f"`runbook status --all` lists all {total} numbers"])
+
+
 def _rank(state: str) -> int:
     """Which state a group shows when its numbers differ: the most alarming."""
     return len(STATES) - STATES.index(state) if state in FAILING else 0
@@ -652,16 +668,20 @@ def site_(ctx: click.Context, obj: Ctx, check: bool) -> None:
 
 @main.command("status")
 @click.argument("names", nargs=-1)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--all", "show_all", is_flag=True, help="Also list every number (without it: the summary and the "
+              "runbooks whose numbers are stale or failing).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (every number).")
 @click.pass_obj
 @click.pass_context
-def status_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], as_json: bool) -> None:
-    """Which records are stale against the current code and parameters; runs nothing."""
+def status_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], show_all: bool, as_json: bool) -> None:
+    """Which records are stale against the current code and parameters; runs nothing. The summary first."""
     verdicts = status(obj.root, list(names) or None)
     code = 3 if any(v.state == FAILED for v in verdicts) else 1 if any(v.state == STALE for v in verdicts) else 0
-    _emit(as_json, [v.as_dict() for v in verdicts],
-          _table(VERDICT_HEADERS, _verdict_rows(verdicts)) + "\n" + summary(verdicts) if verdicts
-          else "no runbooks or records")
+    text = "no runbooks or records"
+    if verdicts:
+        text = summary(verdicts) + "\n" + (_table(VERDICT_HEADERS, _verdict_rows(verdicts)) if show_all else
+                                           _failing_groups(verdicts, len(verdicts)))
+    _emit(as_json, [v.as_dict() for v in verdicts], text.rstrip("\n"))
     _exit_if_invalid([v.detail for v in verdicts if v.state == INVALID])
     ctx.exit(code)
 
@@ -705,7 +725,22 @@ def _run_line(profile: str, r: dict) -> str:
     return (f"run {r['id']} ({profile}): commit {str(p.get('git_commit'))[:10]}{' dirty' if p.get('git_dirty') else ''}"
             f", engine {p.get('engine_hash')}, torch {v.get('torch')}, cuda {v.get('cuda')}, "
             f"gpu {','.join(gpu.get('names', [])) or 'none'} x{gpu.get('count', 0)}"
-            f"{', ' + '+'.join(active) + ' active' if active else ''}, params {r.get('parameters')}")
+            f"{', ' + '+'.join(active) + ' active' if active else ''}\n    params: {_params_text(r.get('parameters'))}")
+
+
+def _params_text(params: Any) -> str:
+    """A run's parameters as a person reads them: `preset=gpu device=cuda threads=2; unset: target, target_b`."""
+    if not isinstance(params, dict) or not params:
+        return "none recorded" if not params else str(params)
+
+    def value(v: Any) -> str:
+        if isinstance(v, str):
+            return v if v and not any(c.isspace() for c in v) else json.dumps(v)
+        return json.dumps(v, separators=(",", ":"), default=str) if isinstance(v, (dict, list, bool)) else str(v)
+
+    given = " ".join(f"{k}={value(v)}" for k, v in params.items() if v is not None)
+    unset = [k for k, v in params.items() if v is None]
+    return (given or "-") + (f"; unset: {', '.join(unset)}" if unset else "")
 
 
 @main.command("outputs")

@@ -499,3 +499,27 @@ def test_verify_save_keeps_each_numbers_last_verdict_for_the_status_page(tmp_pat
     assert "| last verified |" in page
     row = next(line for line in page.splitlines() if "`one/cpu/y`" in line)
     assert row.endswith(f"| fresh {entry['date'][:10]}, cpu on {entry['machine']}, commit `-` |"), row
+
+
+def test_status_says_the_summary_first_and_every_number_only_with_all(tmp_path):
+    root = make_repo(tmp_path, one=runbook_text(), two=runbook_text())
+    for name in ("one", "two"):
+        assert cli(root, "run", name, "--record").exit_code == 0
+    write_runbook(root, "two", runbook_text(params="value = 2.0"))  # its parameters changed: stale
+    r = cli(root, "status")
+    assert r.exit_code == 1
+    lines = r.stdout.splitlines()
+    assert lines[0] == "this machine's profiles: 1 current, 1 stale; other hardware or reported: none", lines
+    assert lines[1:] == ["not current:", "  two (cpu): 1 stale - runbook, parameters changed",
+                         "`runbook status --all` lists all 2 numbers"], lines
+    full = cli(root, "status", "--all").stdout.splitlines()
+    assert full[0] == lines[0] and full[1].split()[:3] == ["runbook", "profile", "metric"] and len(full) == 5
+
+
+def test_show_formats_a_runs_parameters_for_reading(tmp_path):
+    root = make_repo(tmp_path, one=runbook_text(params='value = 1.0\nname = "a b"\nopt: int | None = None\n'
+                                                       'sizes = [1, 2]'))
+    assert cli(root, "run", "one", "--record").exit_code == 0
+    shown = cli(root, "show", "one").stdout
+    assert '    params: value=1.0 name="a b" sizes=[1,2]; unset: opt' in shown.splitlines(), shown
+    assert "{'" not in shown  # no Python dict dumped
