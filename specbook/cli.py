@@ -569,7 +569,10 @@ def _announce_verify(root: Path, here: str, names: list[str] | None, profile: st
     for x in planned:
         for dep in _missing_upstream(target(root, x.runbook, x.profile)):
             if (dep.rb.name, dep.profile) not in keys:
-                prof = records.load(records.path_for(root, dep.rb.name)).data["profiles"].get(dep.profile, {})
+                try:
+                    prof = records.load(records.path_for(root, dep.rb.name)).data["profiles"].get(dep.profile, {})
+                except SpecbookError:  # a malformed record: its own verify names it; here it only adds no time
+                    prof = {}
                 builds[(dep.rb.name, dep.profile)] = recorded_seconds(root, dep.rb.name, dep.profile, prof)[0] or 0
     profiles = sorted({x.profile for x in planned})
     line = "will verify: " + ", ".join(f"{x.runbook} ({x.profile})" for x in planned)
@@ -771,7 +774,8 @@ def outputs_of(root: Path, t: Target) -> dict[str, Any]:
     if command:
         dirs = {n: _shown(x.outputs_dir) for n, x in chain.items()}
         try:
-            command = command.format_map({**dirs, "outputs_dir": dirs[t.rb.name], "python": _shown(Path(sys.executable))})
+            command = command.format_map({**dirs, "outputs_dir": dirs[t.rb.name],
+                                          "python": _shown(Path(sys.executable))})
         except (KeyError, ValueError, IndexError) as e:
             command = f"(the runbook's command could not be filled: {type(e).__name__} {e})"
     return {"runbook": t.rb.name, "profile": t.profile, "built": all(x.done for x in chain.values()),

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specbook import claims, records, verify
+from specbook import claims, records, verified, verify
 from specbook.execute import EXECUTED
 from specbook.fsutil import atomic_write
 
@@ -244,7 +244,6 @@ def llms_full_txt(root: Path | str) -> str:
 # ---------------------------------------------------------------------------------------------- status page
 
 STATUS_PAGE = Path("docs") / "status.md"
-VERIFIED = "baselines/verified/verdicts.yaml"  # specbook.verified.PATH, named here without importing it
 
 
 @dataclass
@@ -263,9 +262,8 @@ class Quoted:
     quotes: int = 0  # claim markers quoting it (two on one line share a place)
 
 
-def status_numbers(root: Path) -> list[Quoted]:
+def status_numbers(root: Path, index: dict[str, verify.Verdict]) -> list[Quoted]:
     """Every number the docs and README quote, once per record metric (or pinned run) with all its places."""
-    index = verify.index(root, here="-")  # "-": no machine's view; where a number can be re-measured is the intro's
     last = _last_verified(root)
     out: dict[str, Quoted] = {}
     cache: dict = {}
@@ -274,8 +272,8 @@ def status_numbers(root: Path) -> list[Quoted]:
             continue
         rel = path.relative_to(root).as_posix()
         for c in claims.parse_claims(path.read_text(), rel)[0]:
-            place = (f"[{rel.removeprefix('docs/')}:{c.line}]({os.path.relpath(root / rel, (root / STATUS_PAGE).parent)})"
-                     if rel.startswith("docs/") else f"`{rel}:{c.line}`")
+            link = os.path.relpath(root / rel, (root / STATUS_PAGE).parent)
+            place = f"[{rel.removeprefix('docs/')}:{c.line}]({link})" if rel.startswith("docs/") else f"`{rel}:{c.line}`"
             q = out.get(c.label) or _quoted(root, c, index.get(c.key), last, cache)
             out[c.label] = q
             q.quotes += 1
@@ -321,14 +319,13 @@ def _status_intro() -> list[str]:
             "- Re-measured: `cpu` numbers by CI on every submission; `h200` numbers by `runbook verify --profile "
             "h200` on a lent H200; `8x-rtx-pro-6000` numbers are reported, never re-run.",
             f"- Last verified: the verdict of the last `runbook verify --save` that re-measured the number, when, on "
-            f"what, at which commit (`{VERIFIED}`, committed); `-`: no saved verify yet.", ""]
+            f"what, at which commit (`{verified.PATH.as_posix()}`, committed); `-`: no saved verify yet.", ""]
 
 
-def _status_counts(root: Path, numbers: list[Quoted]) -> list[str]:
+def _status_counts(numbers: list[Quoted], recorded: int) -> list[str]:
     """The counts of this page (numbers the docs quote) and why they differ from `runbook status`'s (metrics)."""
     counts = {s: sum(q.state == s for q in numbers) for s in (*verify.STATES, claims.PINNED)}
     places = sum(q.quotes for q in numbers)
-    recorded = len(verify.index(root, here="-"))
     return [f"Counts of the numbers the docs quote, each once however often it is quoted ({places} quotes): "
             + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + f". `runbook status` counts something else: "
             f"every recorded metric ({recorded}), quoted or not, one per runbook, profile and metric; a pinned "
@@ -355,15 +352,14 @@ def status_page(root: Path | str) -> str:
     on every machine: nothing runs), where it is quoted, the run that measured it and its last saved verify.
     Generated; CI fails when it is out of date. One function per section."""
     root = Path(root)
-    numbers = status_numbers(root)
-    parts = [_status_front(numbers), _status_intro(), _status_counts(root, numbers), _status_tables(numbers)]
+    index = verify.index(root, here="-")  # "-": no machine's view; where a number can be re-measured is the intro's
+    numbers = status_numbers(root, index)
+    parts = [_status_front(numbers), _status_intro(), _status_counts(numbers, len(index)), _status_tables(numbers)]
     return "\n".join(line for part in parts for line in part).rstrip("\n") + "\n"
 
 
 def _last_verified(root: Path) -> dict[str, str]:
     """Each number's last verify (`runbook verify --save`: specbook/verified.py), in words, by key."""
-    from specbook import verified
-
     runs = {f"{n}/{p}/{m}": e.get("run") for n, rf in records.load_all(root, skip_broken=True).items()
             for p, prof in rf.data["profiles"].items() for m, e in prof["metrics"].items()}
     return {k: verified.describe(e, runs.get(k)) for k, e in verified.load(root).items()}

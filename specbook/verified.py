@@ -16,6 +16,7 @@ import yaml
 
 from specbook import SpecbookError, provenance, records
 from specbook.fsutil import atomic_write
+from specbook.verify import FAILED
 
 PATH = Path(records.BASELINES) / "verified" / "verdicts.yaml"  # in a folder: baselines/*.yaml are record files
 HEADER = ("# Written by `runbook verify --save`: the last verdict of each re-measured number (docs/runbooks/index.md)."
@@ -38,8 +39,6 @@ def load(root: Path) -> dict[str, dict[str, Any]]:
 
 def save(root: Path, verdicts: list, date: str | None = None) -> list[str]:
     """Merge the verdicts of the numbers this verify re-measured (or tried to) into the file; returns their keys."""
-    from specbook.verify import FAILED  # verify imports execute, which the CLI loads anyway; late, as in site.py
-
     root = Path(root)
     commit, dirty = provenance._git_state(root)
     machine = provenance.machine()
