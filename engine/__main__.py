@@ -32,10 +32,32 @@ def cli() -> None:
     shape), optionally an EAGLE-3 drafter, a static KV cache and CUDA-graph decoding."""
 
 
+def threads_option():
+    """--threads: torch's intra-op threads on a CPU (engine.cpu_threads chooses them when it is not given). Here,
+    not in cli_options.py, which runbooks import through the server and training: an option of two commands would
+    change their inputs hash."""
+    return click.option("--threads", default=None, type=click.IntRange(min=1),
+                        help="CPU threads [default: OMP_NUM_THREADS if set, else one per physical core that other "
+                             "processes leave free, at least 1; on a GPU torch's default].")
+
+
+def set_threads(threads: int | None, device: str | None) -> tuple[int, str]:
+    """Apply --threads for the device the command will run on: (count, where it came from)."""
+    from engine import cpu_threads
+
+    return cpu_threads.set_threads(threads, default_device(device))
+
+
+def threads_note(n: int, why: str) -> str:
+    """How the output names the threads that ran: '1 thread (free cores)'."""
+    return f"{n} thread{'s' if n != 1 else ''} ({why})"
+
+
 def model_options(max_seq_len_help: str, seed_help: str, compile_help: str = ""):
     """What to load and how to run it (engine/cli_options.py), plus --seed and --json, with this command's help."""
     return engine_options(None, max_seq_len_help, compile_help=compile_help, extra=[
         click.option("--seed", default=0, show_default=True, type=SEED, help=seed_help),
+        threads_option(),
         click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of text.")])
 
 
@@ -50,23 +72,27 @@ def model_options(max_seq_len_help: str, seed_help: str, compile_help: str = "")
 @click.option("--top-p", default=1.0, show_default=True, type=FiniteFloatRange(0, 1, min_open=True),
               help="1 = off.")
 @click.option("--ignore-eos", is_flag=True, help="Do not stop at the model's end-of-sequence ids.")
-def generate(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, ignore_eos, as_json, **load) -> None:
-    """Generate from a prompt; prints the text, the token ids, tok/s and ms per token."""
+def generate(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, ignore_eos, threads, as_json,
+             **load) -> None:
+    """Generate from a prompt; prints the text, the token ids, tok/s, ms per token and the threads that ran."""
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-ids IDS")
+    n_threads, why = set_threads(threads, load["device"])
     eng = load_engine(**{**load, "max_seq_len": load["max_seq_len"] or 2048})
     ids = eng.encode(prompt) if prompt is not None else prompt_ids
     r = eng.generate(ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                      stop_ids=() if ignore_eos else eng.eos_ids, seed=load["seed"])
     text = eng.decode(r.token_ids)
     if as_json:
-        click.echo(json.dumps({**eng.info(), **r.to_dict(), "text": text}))
+        click.echo(json.dumps({**eng.info(), **r.to_dict(), "text": text, "threads": n_threads,
+                               "threads_from": why}))
         return
     click.echo(text)
     click.echo(f"-- token ids: {r.token_ids}", err=True)
     click.echo(f"-- {len(r.token_ids)} tokens ({r.finish_reason}), prompt {r.prompt_len} | prefill "
                f"{1000 * r.prefill_s:.1f} ms | decode {r.tok_s:.1f} tok/s, {r.ms_per_token:.3f} ms/token | "
-               f"accept length {r.accept_length:.2f} | {eng.info()['device']} {eng.info()['dtype']}", err=True)
+               f"accept length {r.accept_length:.2f} | {eng.info()['device']} {eng.info()['dtype']}, "
+               f"{threads_note(n_threads, why)}", err=True)
 
 
 @cli.command()
@@ -86,9 +112,9 @@ def generate(prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, igno
               help="Also time transformers' generate (static cache) on the same weights.")
 @click.option("--torch-profile", is_flag=True,
               help="Also print torch.profiler's kernel-level table of the fastest variant's decode steps.")
-def bench(prompt_len, new_tokens, repeats, sizes, eager, peer, torch_profile, as_json, **load) -> None:
+def bench(prompt_len, new_tokens, repeats, sizes, eager, peer, torch_profile, threads, as_json, **load) -> None:
     """Decode tok/s and ms/token (graph and eager), bandwidth utilisation against the copy bandwidth measured in
-    the same run, forward cost per T, and transformers' static-cache generate as the peer."""
+    the same run, forward cost per T, and transformers' static-cache generate as the peer; the threads that ran."""
     from engine.bench import BenchConfig, format_bench, run_bench
 
     # --compile adds a "compiled" baseline row; the target-alone engine stays plain so "graph" is the uncompiled
@@ -99,10 +125,15 @@ def bench(prompt_len, new_tokens, repeats, sizes, eager, peer, torch_profile, as
                       eager=eager, peer=peer, compile=load.pop("compile_"), seed=load["seed"],
                       torch_profile=torch_profile)
     cfg = cfg.resolve(torch.device(default_device(load["device"])))
+    n_threads, why = set_threads(threads, load["device"])
     eng = load_engine(**{**load, "max_seq_len": load["max_seq_len"] or cfg.cache_len()},
                       compile_=cfg.compile and load["drafter"] is not None)
     r = run_bench(eng, cfg)
-    click.echo(json.dumps(r.to_dict()) if as_json else format_bench(r))
+    if as_json:
+        click.echo(json.dumps({**r.to_dict(), "threads": n_threads, "threads_from": why}))
+        return
+    head, _, rest = format_bench(r).partition("\n")  # the threads on the line that says what ran where
+    click.echo(f"{head}, {threads_note(n_threads, why)}\n{rest}")
 
 
 # ---- commands owned by other modules ------------------------------------------------------------------------

@@ -25,6 +25,9 @@
 #   captured, so the two verify modes cost about the same here; the game plan's slowdown from an eager verify is a
 #   GPU effect: `runbook show baseline-eagle3` lists the h200 record (eager verify below the baseline there)."
 # depends: [train-target, train-drafter]
+# outputs:
+#   command: "{python} -m engine generate --target {train-target}/target-a --drafter {train-drafter}/drafter-a
+#     --prompt 'def fibonacci(n):' --max-new-tokens 64"
 # profiles:
 #   cpu: {device: cpu, dtype: float32, n_prompts: 4, prompt_len: 64, new_tokens: 64, repeats: 3, rel_tol: 0.15}
 #   h200: {device: cuda, dtype: bfloat16, n_prompts: 8, prompt_len: 128, new_tokens: 256, repeats: 2,

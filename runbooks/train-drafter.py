@@ -17,6 +17,10 @@
 # feeds: [game-plan.md]
 # depends: [train-target]
 # inputs: [corpus]
+# outputs:
+#   paths: {drafter-a: "drafter A, EAGLE-3 trained on target A (the published format SGLang and vLLM load)"}
+#   command: "{python} -m engine generate --target {train-target}/target-a --drafter {outputs_dir}/drafter-a
+#     --prompt 'def fibonacci(n):' --max-new-tokens 64"
 # profiles:
 #   cpu: {preset: cpu, device: cpu}
 #   h200: {preset: gpu, device: cuda}

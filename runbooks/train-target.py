@@ -22,6 +22,11 @@
 # feeds: [game-plan.md]
 # depends: []
 # inputs: [corpus]
+# outputs:
+#   paths: {target-a: "target A, the miniature Kimi-K2 (HF format: config.json, model.safetensors, tokenizer.json)",
+#           target-b: "target B, the miniature Kimi-K2.5 (A trained further on mix B)",
+#           tokenizer: "the byte-level BPE tokenizer both share"}
+#   command: "{python} -m engine generate --target {outputs_dir}/target-a --prompt 'def fibonacci(n):' --max-new-tokens 64"
 # profiles:
 #   cpu: {preset: cpu, device: cpu}
 #   h200: {preset: gpu, device: cuda}

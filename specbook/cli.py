@@ -7,19 +7,20 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import click
 
-from specbook import SpecbookError, Terminated, execute, parallel, provenance, records
+from specbook import RunFailed, SpecbookError, Terminated, execute, parallel, provenance, records
 from specbook.execute import Target, target
 from specbook.execute import run as run_target
 from specbook.runbooks import check_name, check_profile, discover, find_root, load, parse_cli
 from specbook.text import one_line
 from specbook.verify import (FAILED, FAILING, INVALID, STALE, STATES, Verdict, age, drift, exit_code, plan,
-                             recorded_here, status, verify)
+                             recorded_here, recorded_seconds, status, verify)
 
 # Exit codes: the same meanings as `python -m engine`'s (engine/cli_options.py); tests/test_cli_conventions.py holds
 # them together
@@ -45,8 +46,9 @@ Exit codes (the same meanings as python -m engine's):
   2    bad input or usage: unknown runbook, profile, option or parameter, malformed header or
        record; one line on stderr (`list`, `status`, `context`: a malformed record file, named
        on stderr; the others are still shown)
-  3    internal failure, could not run: a runbook failed, timed out, or cannot run on this
-       machine's profile; one line on stderr (--debug shows the traceback)
+  3    internal failure, could not run: a runbook failed or timed out, or the profile asked for
+       is another machine's hardware (`run --profile h200` on a CPU; a misspelt profile is 2);
+       one line on stderr (--debug shows the traceback)
   130  interrupted (Ctrl-C; SIGTERM: 143, "terminated"): a run's kernel and its
        directory are removed on the way out"""
 
@@ -227,6 +229,22 @@ def _exit_if_invalid(problems: list[str]) -> None:
         click.get_current_context().exit(2)
 
 
+def _failing_groups(verdicts: list[Verdict], total: int) -> str:
+    """One line per runbook and profile with numbers in a failing state (stale: which inputs changed), then how to
+    see every number."""
+    groups: dict[tuple[str, str], list[Verdict]] = {}
+    for v in verdicts:
+        if v.state in FAILING:
+            groups.setdefault((v.runbook, v.profile), []).append(v)
+    lines = []
+    for (runbook, profile), vs in groups.items():
+        states = ", ".join(f"{n} {s}" for s in STATES if (n := sum(v.state == s for v in vs)))
+        why = "; ".join(sorted({v.inputs if v.state == STALE else v.detail for v in vs} - {""}))
+        lines.append(f"  {runbook} ({profile}): {states}" + (f" - {why}" if why else ""))
+    head = ["not current:", *lines] if lines else ["every record is current or reported"]
+    return "\n".join([*head, f"`runbook status --all` lists all {total} numbers"])
+
+
 def _rank(state: str) -> int:
     """Which state a group shows when its numbers differ: the most alarming."""
     return len(STATES) - STATES.index(state) if state in FAILING else 0
@@ -257,11 +275,12 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, recor
     if profile:
         check_profile(root, profile)
     profile = profile or here
-    if not provenance.runs_here(profile, here):
-        raise SpecbookError(f"cannot measure profile {profile} on this machine (it is {here}); "
-                            f"`runbook verify --profile {profile}` reports its records")
+    if not provenance.runs_here(profile, here):  # a known profile, other hardware: could not run here (3)
+        raise RunFailed(f"cannot measure profile {profile} on this machine (it is {here}); "
+                        f"`runbook verify --profile {profile}` reports its records")
     if record_:
         provenance.git_commit(root)  # a bad SPECBOOK_GIT_COMMIT is refused before anything runs, not after
+    started = time.monotonic()
     t = target(root, name, profile, overrides)
     _log("will run: " + ", ".join(_plan(t, force)) + ("" if record_ else
                                                       " (measure only; --record writes baselines/ and docs/)"))
@@ -286,11 +305,11 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, recor
                          "vs_recorded": _change(old, m.value), "run": o.run_id,
                          "notebook": str(o.notebook.relative_to(root)) if o.notebook else None,
                          "seconds": round(o.execution.seconds, 2)})
-    last = outcomes[-1]
     if as_json:
         _emit(True, rows, "")
         return
-    click.echo(_conclusion(root, last, before[name].data["profiles"].get(profile, {}), record_))
+    click.echo(_conclusion(root, outcomes, before[name].data["profiles"].get(profile, {}), record_,
+                           time.monotonic() - started))
 
 
 @main.command("record")
@@ -317,7 +336,7 @@ def record_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profiles: tupl
     for p in profiles:
         check_profile(root, p)
         if not provenance.runs_here(p, here):
-            raise SpecbookError(f"cannot measure profile {p} on this machine (it is {here})")
+            raise RunFailed(f"cannot measure profile {p} on this machine (it is {here})")
     provenance.git_commit(root)  # a bad SPECBOOK_GIT_COMMIT is refused before anything runs
     todo = [j for p in profiles or (here,) for j in jobs(root, p, list(names) or None)]
     _log("will record: " + ", ".join(j.key for j in todo))
@@ -346,9 +365,12 @@ def _plan(t: Target, force: bool, seen: set[str] | None = None) -> list[str]:
     return out + [f"{t.rb.name} ({t.profile})"]
 
 
-def _conclusion(root: Path, o, prof: dict, recorded: bool) -> str:
-    """What the run says, for a person: the runbook's conclusion sentence, its headline numbers beside the
-    committed record (saying when that record was made on another machine), and where the notebook is."""
+def _conclusion(root: Path, outcomes: list, prof: dict, recorded: bool, total_s: float) -> str:
+    """What the whole run says, for a person: the runbook's conclusion sentence (and plainly when a speedup is
+    within its noise), its headline numbers beside the committed record (saying when that record was made on
+    another machine), what its dependencies measured on the way, the plots as PNG files, the time it all took, and
+    the command that uses what it built."""
+    o = outcomes[-1]
     rb, metrics = o.target.rb, {m.name: m for m in o.execution.metrics}
     lines = [f"== {rb.name} on {o.target.profile}: {rb.title}"]
     if rb.conclusion:
@@ -356,6 +378,8 @@ def _conclusion(root: Path, o, prof: dict, recorded: bool) -> str:
             lines.append(rb.conclusion.format(**{k: m.value for k, m in metrics.items()}))
         except (KeyError, ValueError, IndexError) as e:
             lines.append(f"(the runbook's conclusion could not be filled: {type(e).__name__} {e})")
+    if noise := _speedups_in_noise(list(metrics.values()), o.target.profile):
+        lines.append(noise)
     head = [metrics[n] for n in rb.reproduces if n in metrics] or list(metrics.values())
     if prof.get("metrics"):  # this kind of machine's own values, where it recorded them
         prof = recorded_here(prof, o.target.inputs_hash, provenance.machine())
@@ -369,14 +393,83 @@ def _conclusion(root: Path, o, prof: dict, recorded: bool) -> str:
     if entries:
         run_entry = records.run_of(prof, next(iter(entries.values()))["run"])
         lines.append(_machine_note(run_entry))
-    if o.notebook and (split := _time_split(o)):
-        lines.append(split)
-    where = o.notebook.relative_to(root) if o.notebook else None
-    if where:
-        lines.append(f"executed notebook (plots and tables): {where}")
+    lines += _dependency_lines(o.target, outcomes[:-1])
+    lines += _plot_lines(root, outcomes)
+    lines.append(_total_line(outcomes, total_s))
+    info = outputs_of(root, o.target)
+    if info["command"] and info["built"]:
+        lines += [f"run what it ran on (`runbook outputs {rb.name}` lists every path):", f"  {info['command']}"]
     lines.append(f"recorded as run {o.run_id}: commit baselines/ and docs/ on purpose" if recorded and o.run_id else
                  f"nothing recorded; `runbook run {rb.name} --record` writes these numbers into baselines/")
     return "\n".join(lines)
+
+
+def _speedups_in_noise(metrics: list, profile: str) -> str | None:
+    """A speedup (a noisy ratio named *speedup*) whose tolerance band around it holds 1.0 is no speedup: say so in
+    words rather than leave a figure such as 1.03x to be read as one."""
+    flat = []
+    for m in metrics:
+        band = max(m.rel_tol * abs(m.value), m.abs_tol)
+        if m.kind == "noisy" and m.unit == "x" and "speedup" in m.name and abs(m.value - 1.0) <= band:
+            flat.append(f"{m.name} {m.value:.2f}x (tolerance \u00b1{band / abs(m.value):.0%})")
+    if not flat:
+        return None
+    where = "a CPU" if provenance.hardware_of(profile) == "cpu" else f"{provenance.hardware_of(profile)}"
+    return (f"no real speedup on {where}: {' and '.join(flat)} {'is' if len(flat) == 1 else 'are'} within "
+            "the noise of 1.0, the same speed as the baseline")
+
+
+def _dependency_lines(t: Target, ran: list) -> list[str]:
+    """What the runbooks it depends on measured in this run (their headline numbers), or that they were cached."""
+    if not t.upstream:
+        return []
+    lines = ["what it depended on:"]
+    by_name = {o.target.rb.name: o for o in ran}
+    for dep in _chain(t)[:-1]:
+        o = by_name.get(dep.rb.name)
+        if o is None:
+            lines.append(f"  {dep.rb.name} ({dep.profile}): built by an earlier run, cached (inputs {dep.inputs_hash}; "
+                         f"`--force` runs it again)")
+            continue
+        ms = {m.name: m for m in o.execution.metrics}
+        head = [ms[n] for n in dep.rb.reproduces if n in ms] or list(ms.values())
+        numbers = ", ".join(f"{m.name} {_num(m.value)}{' ' + m.unit if m.unit else ''}" for m in head)
+        lines.append(f"  {dep.rb.name} ({dep.profile}, ran {o.seconds:.0f} s): {numbers or 'no numbers'}")
+    return lines
+
+
+def _chain(t: Target) -> list[Target]:
+    """`t` and what it depends on, transitively, dependencies first, each once."""
+    out: dict[str, Target] = {}
+
+    def walk(x: Target) -> None:
+        for dep in x.upstream.values():
+            walk(dep)
+        out.setdefault(x.rb.name, x)
+
+    walk(t)
+    return list(out.values())
+
+
+def _plot_lines(root: Path, outcomes: list) -> list[str]:
+    """The plots of every runbook that ran, as PNG files in .specbook/executed/ (they open without Jupyter), and
+    the executed notebook of the last."""
+    lines = []
+    for o in outcomes:
+        if o.notebook and (pngs := execute.extract_plots(o.notebook, root / execute.LOCAL_EXECUTED)):
+            lines.append(f"plots of {o.target.rb.name}: {', '.join(_shown(p) for p in pngs)}")
+    if outcomes[-1].notebook:
+        lines.append(f"executed notebook (plots and tables): {_shown(outcomes[-1].notebook)}")
+    return lines
+
+
+def _total_line(outcomes: list, total_s: float) -> str:
+    """The whole run's wall time and each runbook's share; the last one's split into cells and kernel start. The
+    first runbook's share counts from the process's start (execute._lap), before this command's clock began."""
+    total_s = max(total_s, sum(o.seconds for o in outcomes))
+    parts = ", ".join(f"{o.target.rb.name} {o.seconds:.0f} s" for o in outcomes)
+    split = _time_split(outcomes[-1]) if outcomes[-1].notebook else None
+    return f"took {total_s:.0f} s in all ({parts})" + (f"; {split}" if split else "")
 
 
 def _time_split(o) -> str | None:
@@ -385,7 +478,7 @@ def _time_split(o) -> str | None:
     if not o.seconds or cells is None or kernel is None:
         return None
     rest = max(0.0, o.seconds - cells - kernel)
-    return f"took {o.seconds:.0f} s: {cells:.0f} s in its cells, {kernel:.0f} s starting the kernel, {rest:.0f} s " \
+    return f"{o.target.rb.name}: {cells:.0f} s in its cells, {kernel:.0f} s starting the kernel, {rest:.0f} s " \
            "outside the notebook"
 
 
@@ -456,11 +549,14 @@ def _refresh_docs(root: Path, ran: list[str]) -> None:
 @click.option("--plan", "plan_only", is_flag=True, help="Run nothing: list what would be re-measured, the cell "
               "time of each runbook's recorded run and the estimated wall time on --gpus. With --profile it plans "
               "for that profile's machine, e.g. an h200 verify from a laptop (--gpus N: N such GPUs).")
+@click.option("--save", is_flag=True, help="Write each re-measured number's verdict (state, date, machine, commit) "
+              "into baselines/verified/verdicts.yaml, which the status page shows as 'last verified': commit it. "
+              "Without it a verify changes no tracked file.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (no progress bar).")
 @click.pass_obj
 @click.pass_context
 def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str | None, docs: bool, show_all: bool,
-            gpus: str, plan_only: bool, as_json: bool) -> None:
+            gpus: str, plan_only: bool, save: bool, as_json: bool) -> None:
     """Re-run what can run here and judge each number against its record: a noisy one (a timing) within its
     tolerance (derived from the recorded samples, at most 25%; outside it, two of three measurements decide, and
     with changed code they are paired with the recorded commit's engine: side by side without GPUs, in turn on a
@@ -472,8 +568,16 @@ def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str |
                     as_json)
         return
     ids = _gpu_ids(gpus)
+    _announce_verify(root, here, list(names) or None, profile, ids)
     verdicts = verify(root, here, list(names) or None, profile, progress=not as_json, log=_log, gpus=ids)
     code = exit_code(verdicts)
+    if save:
+        from specbook import verified
+
+        with records.docs_lock(root):  # two verifies saving at once: one after the other, neither entry lost
+            saved = verified.save(root, verdicts)
+        _log(f"saved the verdicts of {len(saved)} numbers in {verified.PATH}: commit it; `runbook site` shows them "
+             "on the status page")
     problems = [str(p) for p in _check_docs(root)] if docs else []
     if problems and code == 0:
         code = 1
@@ -484,6 +588,42 @@ def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str |
     _emit(as_json, {"profile": here, "verdicts": [v.as_dict() for v in verdicts], "docs": problems,
                     "exit_code": code}, text)
     ctx.exit(code)
+
+
+def _announce_verify(root: Path, here: str, names: list[str] | None, profile: str | None, ids: list[str]) -> None:
+    """Before a verify runs anything, as `run` does: which runbooks on which profiles it will re-measure (the
+    variants of this machine's profile too), the dependencies it must build first, and `--plan`'s estimate."""
+    planned, wall, _ = plan(root, here, names, profile, ids)
+    if not planned:
+        return
+    keys = {(x.runbook, x.profile) for x in planned}
+    builds: dict[tuple[str, str], float] = {}
+    for x in planned:
+        for dep in _missing_upstream(target(root, x.runbook, x.profile)):
+            if (dep.rb.name, dep.profile) not in keys:
+                try:
+                    prof = records.load(records.path_for(root, dep.rb.name)).data["profiles"].get(dep.profile, {})
+                except SpecbookError:  # a malformed record: its own verify names it; here it only adds no time
+                    prof = {}
+                builds[(dep.rb.name, dep.profile)] = recorded_seconds(root, dep.rb.name, dep.profile, prof)[0] or 0
+    profiles = sorted({x.profile for x in planned})
+    line = "will verify: " + ", ".join(f"{x.runbook} ({x.profile})" for x in planned)
+    if builds:
+        line += "; first builds (not cached): " + ", ".join(f"{n} ({p})" for n, p in builds)
+    line += f"; estimated {(wall + sum(builds.values())) / 60:.1f} min from the recorded runs (`runbook verify " \
+            f"--plan` times each re-measured one)"
+    if len(profiles) > 1 and profile is None:
+        line += f"; `--profile {profiles[0]}` verifies one profile of {', '.join(profiles)}"
+    _log(line)
+
+
+def _missing_upstream(t: Target) -> list[Target]:
+    """`t`'s dependencies, transitively, whose outputs are not cached: a run builds them first."""
+    out = []
+    for dep in t.upstream.values():
+        if not dep.done:
+            out += [*_missing_upstream(dep), dep]
+    return out
 
 
 def _print_plan(root: Path, machine: str, names: list[str] | None, profile: str | None, gpus: str,
@@ -572,16 +712,20 @@ def site_(ctx: click.Context, obj: Ctx, check: bool) -> None:
 
 @main.command("status")
 @click.argument("names", nargs=-1)
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--all", "show_all", is_flag=True, help="Also list every number (without it: the summary and the "
+              "runbooks whose numbers are stale or failing).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (every number).")
 @click.pass_obj
 @click.pass_context
-def status_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], as_json: bool) -> None:
-    """Which records are stale against the current code and parameters; runs nothing."""
+def status_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], show_all: bool, as_json: bool) -> None:
+    """Which records are stale against the current code and parameters; runs nothing. The summary first."""
     verdicts = status(obj.root, list(names) or None)
     code = 3 if any(v.state == FAILED for v in verdicts) else 1 if any(v.state == STALE for v in verdicts) else 0
-    _emit(as_json, [v.as_dict() for v in verdicts],
-          _table(VERDICT_HEADERS, _verdict_rows(verdicts)) + "\n" + summary(verdicts) if verdicts
-          else "no runbooks or records")
+    text = "no runbooks or records"
+    if verdicts:
+        text = summary(verdicts) + "\n" + (_table(VERDICT_HEADERS, _verdict_rows(verdicts)) if show_all else
+                                           _failing_groups(verdicts, len(verdicts)))
+    _emit(as_json, [v.as_dict() for v in verdicts], text.rstrip("\n"))
     _exit_if_invalid([v.detail for v in verdicts if v.state == INVALID])
     ctx.exit(code)
 
@@ -625,7 +769,81 @@ def _run_line(profile: str, r: dict) -> str:
     return (f"run {r['id']} ({profile}): commit {str(p.get('git_commit'))[:10]}{' dirty' if p.get('git_dirty') else ''}"
             f", engine {p.get('engine_hash')}, torch {v.get('torch')}, cuda {v.get('cuda')}, "
             f"gpu {','.join(gpu.get('names', [])) or 'none'} x{gpu.get('count', 0)}"
-            f"{', ' + '+'.join(active) + ' active' if active else ''}, params {r.get('parameters')}")
+            f"{', ' + '+'.join(active) + ' active' if active else ''}\n    params: {_params_text(r.get('parameters'))}")
+
+
+def _params_text(params: Any) -> str:
+    """A run's parameters as a person reads them: `preset=gpu device=cuda threads=2; unset: target, target_b`."""
+    if not isinstance(params, dict) or not params:
+        return "none recorded" if not params else str(params)
+
+    def value(v: Any) -> str:
+        if isinstance(v, str):
+            return v if v and not any(c.isspace() for c in v) else json.dumps(v)
+        return json.dumps(v, separators=(",", ":"), default=str) if isinstance(v, (dict, list, bool)) else str(v)
+
+    given = " ".join(f"{k}={value(v)}" for k, v in params.items() if v is not None)
+    unset = [k for k, v in params.items() if v is None]
+    return (given or "-") + (f"; unset: {', '.join(unset)}" if unset else "")
+
+
+@main.command("outputs")
+@click.argument("name")
+@click.option("--profile", help="This machine's hardware profile (default: detected) or another declared one, e.g. "
+              "cpu.dsv3.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_obj
+def outputs_(obj: Ctx, name: str, profile: str | None, as_json: bool) -> None:
+    """Where runbook NAME's outputs and its dependencies' are (the trained models under .specbook/outputs/, for
+    the code and parameters as they are now) and the command that uses them, as the runbooks' headers name them."""
+    root = obj.root
+    load(root, name)
+    if profile:
+        check_profile(root, profile)
+    info = outputs_of(root, target(root, name, profile or provenance.detect_profile()))
+    _emit(as_json, info, _outputs_text(info))
+
+
+def outputs_of(root: Path, t: Target) -> dict[str, Any]:
+    """What runbook `t` and its dependencies leave for a person (their headers' `outputs`): each one's outputs
+    directory, whether it is built, its named paths, and `t`'s command with the directories filled in."""
+    chain = {x.rb.name: x for x in _chain(t)}
+    groups = [{"runbook": x.rb.name, "profile": x.profile, "dir": _shown(x.outputs_dir), "built": x.done,
+               "paths": {_shown(x.outputs_dir / n): what for n, what in x.rb.outputs.get("paths", {}).items()}}
+              for x in chain.values() if x.rb.outputs.get("paths")]
+    command = t.rb.outputs.get("command", "")
+    if command:
+        dirs = {n: _shown(x.outputs_dir) for n, x in chain.items()}
+        try:
+            command = command.format_map({**dirs, "outputs_dir": dirs[t.rb.name],
+                                          "python": _shown(Path(sys.executable))})
+        except (KeyError, ValueError, IndexError) as e:
+            command = f"(the runbook's command could not be filled: {type(e).__name__} {e})"
+    return {"runbook": t.rb.name, "profile": t.profile, "built": all(x.done for x in chain.values()),
+            "outputs": groups, "command": command}
+
+
+def _shown(path: Path) -> str:
+    """A path as a person types it here: relative to the current directory when it lies below it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _outputs_text(info: dict[str, Any]) -> str:
+    name, profile = info["runbook"], info["profile"]
+    lines = []
+    for g in info["outputs"]:
+        state = "built" if g["built"] else "not built yet"
+        lines += [f"{g['runbook']} ({g['profile']}, {state}): {g['dir']}",
+                  *(f"  {path}  {what}" for path, what in g["paths"].items())]
+    if info["command"]:
+        lines += ["run it:" if info["built"] else "run it, once built:", f"  {info['command']}"]
+    if not info["built"]:
+        lines.append(f"not built yet for the code and parameters as they are: `runbook run {name}"
+                     f"{'' if profile == provenance.detect_profile() else ' --profile ' + profile}` builds them")
+    return "\n".join(lines) or f"runbook {name} names no outputs (its header has no `outputs`)"
 
 
 @main.command()

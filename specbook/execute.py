@@ -594,3 +594,30 @@ def _publish(src: Path, dst: Path) -> Path:
     dst.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(dst, src.read_bytes())
     return dst
+
+
+# ------------------------------------------------------------------------------------------- plots for people
+
+
+def extract_plots(notebook: Path, dest: Path) -> list[Path]:
+    """The notebook's plots (its image/png outputs) as files that open without Jupyter: NOTEBOOK.png, then
+    NOTEBOOK-2.png, ... in `dest`, in the order the cells drew them; the files of an earlier run with more plots go."""
+    import base64
+
+    try:
+        cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+    except (OSError, ValueError, KeyError):
+        return []
+    images = [out["data"]["image/png"] for c in cells for out in c.get("outputs", [])
+              if isinstance(out.get("data"), dict) and "image/png" in out["data"]]
+    stem = notebook.stem
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.glob(f"{stem}*.png"):
+        if re.fullmatch(re.escape(stem) + r"(-\d+)?\.png", old.name):
+            old.unlink(missing_ok=True)
+    paths = []
+    for i, data in enumerate(images, 1):
+        path = dest / (f"{stem}.png" if i == 1 else f"{stem}-{i}.png")
+        atomic_write(path, base64.b64decode("".join(data) if isinstance(data, list) else data))
+        paths.append(path)
+    return paths

@@ -24,7 +24,10 @@ from specbook import RunFailed, SpecbookError, project
 ROOT_ENV = "SPECBOOK_ROOT"
 INJECTED = ("outputs_dir", "upstream")  # set by specbook when the parameters cell declares them
 HEADER_KEYS = {"title", "reproduces", "feeds", "depends", "inputs", "profiles", "timeout", "cell_timeout",
-               "conclusion"}
+               "conclusion", "outputs"}
+# header blocks that describe rather than compute: left out of the runbook's hash (a profile's parameters reach it as
+# parameters), so adding a variant profile or naming the outputs leaves the records current
+UNHASHED_KEYS = ("profiles", "outputs")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict}
 
@@ -55,6 +58,9 @@ class Runbook:
     timeout: float = 3600.0
     cell_timeout: float = 600.0
     conclusion: str = ""  # a sentence with {metric:spec} fields, printed after a run: what the numbers say
+    # what a person takes away from a run: `paths` (name in the outputs directory -> what it is) and `command` (a
+    # command line using them; {python}, {outputs_dir} and {DEPENDENCY} name the interpreter and outputs dirs)
+    outputs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def source(self) -> str:
@@ -62,9 +68,10 @@ class Runbook:
 
     @property
     def hashed_source(self) -> str:
-        """The source without the header's `profiles` block: a profile's parameters reach the inputs hash as
-        parameters, so adding or changing another profile (a variant, another machine) leaves this one fresh."""
-        return "\n".join(_without_profiles(self.source.splitlines()))
+        """The source without the header's `profiles` and `outputs` blocks (UNHASHED_KEYS): a profile's parameters
+        reach the inputs hash as parameters, so adding or changing another profile (a variant, another machine)
+        leaves this one fresh, and naming the outputs changes no number."""
+        return "\n".join(_without_unhashed(self.source.splitlines()))
 
     def params_for(self, profile: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
         """Effective parameters on a profile: defaults, then the profile's overrides, then the caller's."""
@@ -150,7 +157,7 @@ def load(root: Path, name: str) -> Runbook:
     rb = Runbook(name=name, path=path, title=header["title"], profiles=with_same_parameters(root, header["profiles"]),
                  parameters=params,
                  **{k: header[k] for k in ("reproduces", "feeds", "depends", "inputs", "timeout", "cell_timeout",
-                                           "conclusion") if k in header})
+                                           "conclusion", "outputs") if k in header})
     for profile, overrides in rb.profiles.items():
         for k, v in overrides.items():
             rb.profiles[profile][k] = check_value(rb, k, v, where=f"profile {profile}")
@@ -170,10 +177,10 @@ def with_same_parameters(root: Path, profiles: dict[str, dict[str, Any]]) -> dic
     return out
 
 
-def _without_profiles(lines: list[str]) -> list[str]:
+def _without_unhashed(lines: list[str]) -> list[str]:
     out, skipping = [], False
     for line in lines:
-        if line.startswith("# profiles:"):
+        if line.startswith(tuple(f"# {k}:" for k in UNHASHED_KEYS)):
             skipping = True  # the key's line, then its indented lines (`#   cpu: ...`)
             continue
         if skipping and re.match(r"#\s{2,}\S", line):
@@ -210,6 +217,7 @@ def _header(path: Path, nb, root: Path) -> dict[str, Any]:
             profiles[p] = {}
         elif not isinstance(o, dict):
             raise SpecbookError(f"{path}: profile {p} must map parameter names to values")
+    _check_outputs(path, h.get("outputs", {}))
     if not isinstance(h.get("conclusion", ""), str):
         raise SpecbookError(f"{path}: header key conclusion must be a string with {{metric:spec}} fields")
     for key in ("timeout", "cell_timeout"):
@@ -221,6 +229,17 @@ def _header(path: Path, nb, root: Path) -> dict[str, Any]:
     if unknown := [i for i in h["inputs"] if i not in known]:
         raise SpecbookError(f"{path}: unknown inputs {unknown} (known: {known})")
     return h
+
+
+def _check_outputs(path: Path, outputs: Any) -> None:
+    """`outputs: {paths: {NAME: what it is}, command: "..."}`, both optional."""
+    if not isinstance(outputs, dict) or set(outputs) - {"paths", "command"}:
+        raise SpecbookError(f"{path}: header key outputs must map paths (NAME: what it is) and command (a string)")
+    paths = outputs.get("paths", {})
+    if not isinstance(paths, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in paths.items()):
+        raise SpecbookError(f"{path}: outputs.paths must map names in the outputs directory to what they are")
+    if not isinstance(outputs.get("command", ""), str):
+        raise SpecbookError(f"{path}: outputs.command must be a string")
 
 
 def _parameters(path: Path, nb) -> dict[str, Param]:

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specbook import RunFailed, SpecbookError, claims, headlines, provenance, records, runbooks, verify
+from specbook import RunFailed, SpecbookError, claims, headlines, provenance, records, runbooks, verified, verify
 from specbook.execute import EXECUTED
 from specbook.fsutil import atomic_write
 from specbook.text import md_cell, one_line
@@ -86,31 +86,39 @@ def badge(verdict: str, why: str = "") -> str:
     return f'<span class="verdict verdict-{slug}"{title}>{html.escape(verdict)}</span>'
 
 
+PANEL_COLUMNS = 4  # small multiples per row of a history plot
+
+
 def history_svg(rows: list[Row]) -> str:
-    """Every metric's recorded history on one axes, relative to its current value (1.0 = now), so a group's trends
-    read at a glance; one axes keeps the build fast where small multiples per metric took seconds each."""
+    """Small multiples of a group's recorded history: one panel per metric, its values over the recorded runs with
+    its unit on the y axis, so no two quantities share an axis or a colour. Few ticks and text as SVG text keep the
+    build fast (a panel's ticks and glyph paths were most of its cost)."""
     import matplotlib  # noqa: PLC0415 - heavy, only needed when the site is built
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
 
-    fig, ax = plt.subplots(figsize=(8, 3))
-    runs = 1
-    for row in rows:
-        values = [h["value"] for h in row.history] or [row.value]
-        if row.value == 0:
-            continue
-        runs = max(runs, len(values))
-        ax.plot(range(1, len(values) + 1), [v / row.value for v in values], marker="o", label=row.metric)
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks(range(1, runs + 1))
-    ax.set_xlabel("recorded run")
-    ax.set_ylabel("value / current value")
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-    fig.subplots_adjust(left=0.09, right=0.7, bottom=0.17, top=0.95)
-    buf = io.StringIO()
-    fig.savefig(buf, format="svg", metadata={"Date": None})
-    plt.close(fig)
+    cols = min(PANEL_COLUMNS, max(1, len(rows)))
+    nrows = -(-len(rows) // cols)
+    height = 1.6 * nrows + 0.4
+    with matplotlib.rc_context({"svg.fonttype": "none", "font.size": 7}):
+        fig, axes = plt.subplots(nrows, cols, figsize=(2.2 * cols, height), squeeze=False)
+        for ax, row in zip(axes.flat, rows):
+            values = [h["value"] for h in row.history] or [row.value]
+            ax.plot(range(1, len(values) + 1), values, marker="o", ms=3, lw=1, color="tab:blue")
+            ax.set_title(row.metric, fontsize=7)
+            ax.set_ylabel(row.unit)
+            ax.set_xticks(sorted({1, len(values)}))
+            ax.yaxis.set_major_locator(MaxNLocator(nbins=3))
+        for ax in list(axes.flat)[len(rows):]:
+            ax.set_visible(False)
+        fig.supxlabel("recorded run (1 = first, last = the record now)", fontsize=7)
+        fig.subplots_adjust(left=0.1, right=0.98, bottom=0.45 / height, top=1 - 0.3 / height, hspace=0.75,
+                            wspace=0.6)
+        buf = io.StringIO()
+        fig.savefig(buf, format="svg", metadata={"Date": None})
+        plt.close(fig)
     return buf.getvalue()
 
 
@@ -142,18 +150,13 @@ def _table(rows: list[Row]) -> str:
 
 
 def dashboard(root: Path | str) -> tuple[str, dict[str, str]]:
-    """(dashboard.md text, {docs-relative path: SVG text} of its plots)."""
+    """(dashboard.md text, {docs-relative path: SVG text} of its plots). One function per section."""
     root = Path(root)
     rows = record_rows(root)
     groups: dict[tuple[str, str], list[Row]] = {}
     for r in rows:
         groups.setdefault((r.runbook, r.profile), []).append(r)
-    out = ["# Baselines dashboard", "",
-           "Every number recorded in `baselines/`, per runbook and hardware profile, with its verdict on this "
-           "machine. Generated from the records at build time; see the [runbook guide](runbooks/index.md) for what "
-           "the verdicts mean and how to reproduce a number.", ""]
-    if not rows:
-        out.append("No records yet: run `runbook run NAME`.")
+    out = _dashboard_intro(rows)
     plots: dict[str, str] = {}
     standing = headlines.standings(root, claims.doc_texts(root))
     if standing:
@@ -161,20 +164,35 @@ def dashboard(root: Path | str) -> tuple[str, dict[str, str]]:
                 "![every recorded value of each headline](dashboard/headlines.svg)", ""]
         plots["dashboard/headlines.svg"] = headlines.history_svg(root, standing)
     for (runbook, profile), group in groups.items():
-        latest = max(group, key=lambda r: r.date)
-        out += [f"## {runbook} / {profile}", "",
-                f"**Hardware:** {_html(latest.hardware)} &nbsp; **Last recorded:** {latest.date}", ""]
-        verdicts = {r.verdict for r in group if r.verdict in VERDICT_ADMONITION}
-        for v in sorted(verdicts):
-            why = {verify.REPORTED: verify.MEANING[verify.REPORTED],
-                   verify.STALE: _stale_note(runbook, profile, group)}.get(v, f"re-run `runbook verify {runbook}`")
-            out += [f'!!! {VERDICT_ADMONITION[v]} "{v.capitalize()}"', f"    Numbers marked *{v}*: {why}.", ""]
-        notebook = EXECUTED / f"{runbook}-{profile}.ipynb"  # where `runbook run` keeps the executed notebook
-        if (root / notebook).is_file():
-            out += [f"Executed notebook: [{notebook.name}]({notebook.relative_to('docs').as_posix()})", ""]
-        out += [_table(group), "", f"![history of {runbook} / {profile}](dashboard/{runbook}-{profile}.svg)", ""]
+        out += _dashboard_group(root, runbook, profile, group)
     plots.update({f"dashboard/{rb}-{pf}.svg": history_svg(g) for (rb, pf), g in groups.items()})
     return "\n".join(out) + "\n", plots
+
+
+def _dashboard_intro(rows: list[Row]) -> list[str]:
+    out = ["# Baselines dashboard", "",
+           "Every number recorded in `baselines/`, per runbook and hardware profile, with its verdict on this "
+           "machine and the history of each number, one panel per metric in its unit. Generated from the records "
+           "at build time; see the [runbook guide](runbooks/index.md) for what the verdicts mean and how to "
+           "reproduce a number, and the [status page](status.md) for where the docs quote them.", ""]
+    return out + (["No records yet: run `runbook run NAME`."] if not rows else [])
+
+
+def _dashboard_group(root: Path, runbook: str, profile: str, group: list[Row]) -> list[str]:
+    """A runbook on a profile: hardware, date, admonitions for numbers that are not fresh, the executed notebook,
+    the table and the history plot."""
+    latest = max(group, key=lambda r: r.date)
+    out = [f"## {runbook} / {profile}", "",
+           f"**Hardware:** {_html(latest.hardware)} &nbsp; **Last recorded:** {latest.date}", ""]
+    verdicts = {r.verdict for r in group if r.verdict in VERDICT_ADMONITION}
+    for v in sorted(verdicts):
+        why = {verify.REPORTED: verify.MEANING[verify.REPORTED],
+               verify.STALE: _stale_note(runbook, profile, group)}.get(v, f"re-run `runbook verify {runbook}`")
+        out += [f'!!! {VERDICT_ADMONITION[v]} "{v.capitalize()}"', f"    Numbers marked *{v}*: {why}.", ""]
+    notebook = EXECUTED / f"{runbook}-{profile}.ipynb"  # where `runbook run` keeps the executed notebook
+    if (root / notebook).is_file():
+        out += [f"Executed notebook: [{notebook.name}]({notebook.relative_to('docs').as_posix()})", ""]
+    return out + [_table(group), "", f"![history of {runbook} / {profile}](dashboard/{runbook}-{profile}.svg)", ""]
 
 
 def _stale_note(runbook: str, profile: str, group: list[Row]) -> str:
@@ -260,53 +278,126 @@ def check_inputs_here(root: Path) -> None:
                               "not of the records; the committed page keeps what the records say)") from None
 
 
-def status_page(root: Path | str) -> str:
-    """docs/status.md: every number the docs and README quote, with its value, state from input hashes (the same
-    on every machine: nothing runs), and the run that measured it. Generated; CI fails when it is out of date. An
-    input that cannot be hashed here fails it (check_inputs_here) rather than reading "failed" in the page."""
-    root = Path(root)
-    check_inputs_here(root)
-    index = verify.index(root, here="-")  # "-": no machine's view; where a number can be re-measured is a column
-    rows, newest, cache = [], "", {}
+@dataclass
+class Quoted:
+    """One documented number: a record's metric (or one run of it, pinned), where the docs quote it, its state."""
+    runbook: str
+    label: str  # profile/metric, with @RUN when pinned
+    literals: list[str]
+    unit: str
+    state: str
+    why: str  # stale: which inputs changed
+    measured: str  # date, hardware, commit
+    verified: str  # the last saved verify (specbook.verified.describe)
+    places: list[str] = field(default_factory=list)  # Markdown links (docs) or code spans (README) of each quote
+    date: str = ""
+    quotes: int = 0  # claim markers quoting it (two on one line share a place)
+
+
+def status_numbers(root: Path, index: dict[str, verify.Verdict]) -> list[Quoted]:
+    """Every number the docs and README quote, once per record metric (or pinned run) with all its places."""
+    last = _last_verified(root)
+    out: dict[str, Quoted] = {}
+    cache: dict = {}
     for path in [*claims.doc_files(root), *claims.extra_files(root)]:
         if path.resolve() == (root / STATUS_PAGE).resolve():
             continue
         rel = path.relative_to(root).as_posix()
         for c in claims.parse_claims(path.read_text(), rel)[0]:
-            v = index.get(c.key)
-            link = (f"[{rel}:{c.line}]({os.path.relpath(root / rel, (root / STATUS_PAGE).parent)})"
-                    if rel.startswith("docs/") else f"`{rel}:{c.line}`")
-            if c.run and v is not None and (run := claims.pinned_run(root, c, cache)) is not None:
-                commit = str((run.get("provenance") or {}).get("git_commit") or "-")[:10]
-                rows.append(_row(f"`{c.label}`", link, f"{c.literal} {v.unit}", "-", f"**{claims.PINNED}**", "-",
-                                 f"{str(run.get('date'))[:10]}, {verify.hardware(c.profile, run)}, commit `{commit}`"))
-                continue
-            if v is None:
-                rows.append(_row(f"`{c.key}`", link, c.literal, "", "unrecorded", "", ""))
-                continue
-            newest = max(newest, v.date[:10])
-            where = "hand-measured" if v.state == verify.REPORTED else f"on `{v.profile.split('.')[0]}`"
-            inputs = v.inputs if v.state != verify.REPORTED else "-"
-            rows.append(_row(f"`{c.key}`", link, f"{c.literal} {v.unit}", where, f"**{v.state}**", inputs,
-                             f"{v.date[:10]}, {v.hardware}, commit `{v.commit or '-'}`"))
-    counts = {s: sum(f"**{s}**" in r for r in rows) for s in (*verify.STATES, claims.PINNED)}
-    head = ["---", "title: Status of every documented number", "status: generated", f"updated: {newest or '-'}",
-            "runbooks: []", "records: []", "---", "", "# Status of every documented number", "",
-            "Generated by `runbook site` from `baselines/` and the claims in `docs/` and `README.md`: do not edit. "
+            link = os.path.relpath(root / rel, (root / STATUS_PAGE).parent)
+            place = f"[{rel.removeprefix('docs/')}:{c.line}]({link})" if rel.startswith("docs/") else f"`{rel}:{c.line}`"
+            q = out.get(c.label) or _quoted(root, c, index.get(c.key), last, cache)
+            out[c.label] = q
+            q.quotes += 1
+            if place not in q.places:  # two quotes on one line: one place
+                q.places.append(place)
+            if c.literal not in q.literals:
+                q.literals.append(c.literal)
+    return list(out.values())
+
+
+def _quoted(root: Path, c, v, last: dict[str, str], cache: dict) -> Quoted:
+    label = c.label.removeprefix(f"{c.runbook}/")
+    if v is None:
+        return Quoted(c.runbook, label, [], "", verify.UNRECORDED, "", "-", "-")
+    if c.run and (run := claims.pinned_run(root, c, cache)) is not None:
+        commit = str((run.get("provenance") or {}).get("git_commit") or "-")[:10]
+        return Quoted(c.runbook, label, [], v.unit, claims.PINNED, "",
+                      f"{str(run.get('date'))[:10]}, {verify.hardware(c.profile, run)}, `{commit}`", "-")
+    why = v.inputs if v.state == verify.STALE else ""
+    return Quoted(c.runbook, label, [], v.unit, v.state, why, f"{v.date[:10]}, {v.hardware}, `{v.commit or '-'}`",
+                  last.get(c.key, "-"), date=v.date[:10])
+
+
+def _row(cells: list[str]) -> str:
+    """A Markdown table row, each cell escaped where it is written (specbook.text.md_cell): a record's unit or name
+    may hold a `|` or a newline, which would start another cell or row."""
+    return "| " + " | ".join(md_cell(str(x)) for x in cells) + " |"
+
+
+def _status_front(numbers: list[Quoted]) -> list[str]:
+    newest = max((q.date for q in numbers), default="") or "-"
+    return ["---", "title: Status of every documented number", "status: generated", f"updated: {newest}",
+            "runbooks: []", "records: []", "---", "", "# Status of every documented number", ""]
+
+
+def _status_intro() -> list[str]:
+    return ["Generated by `runbook site` from `baselines/` and the claims in `docs/` and `README.md`: do not edit. "
             "CI fails when it is out of date. A state here is from input hashes only (runbook, parameters, engine "
             "code, pinned inputs, upstream records), the same on every machine; `runbook verify NAME` re-measures "
             "what a machine can run and says **fresh**, **drifted** or **flaky**.", "",
             "- " + "; ".join(f"**{s}**: {verify.MEANING[s]}" for s in (verify.CURRENT, verify.STALE,
                                                                          verify.REPORTED))
             + f"; **{claims.PINNED}**: {claims.PINNED_MEANING}",
-            "- Re-measured: where the number can be measured again (`cpu` numbers by CI on every submission; `h200` "
-            "numbers by `runbook verify --profile h200` on a lent H200).", "",
-            "Counts: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + ".", "",
-            *headline_section(root),
-            "## Every documented number", "",
-            "| number | quoted at | value | re-measured | state | inputs since | measured (date, hardware, commit) |",
-            "|---|---|---|---|---|---|---|"]
-    return "\n".join(head + rows) + "\n"
+            "- Re-measured: `cpu` numbers by CI on every submission; `h200` numbers by `runbook verify --profile "
+            "h200` on a lent H200; `8x-rtx-pro-6000` numbers are reported, never re-run.",
+            f"- Last verified: the verdict of the last `runbook verify --save` that re-measured the number, when, on "
+            f"what, at which commit (`{verified.PATH.as_posix()}`, committed); `-`: no saved verify yet.", ""]
+
+
+def _status_counts(numbers: list[Quoted], recorded: int) -> list[str]:
+    """The counts of this page (numbers the docs quote) and why they differ from `runbook status`'s (metrics)."""
+    counts = {s: sum(q.state == s for q in numbers) for s in (*verify.STATES, claims.PINNED)}
+    places = sum(q.quotes for q in numbers)
+    return [f"Counts of the numbers the docs quote, each once however often it is quoted ({places} quotes): "
+            + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + f". `runbook status` counts something else: "
+            f"every recorded metric ({recorded}), quoted or not, one per runbook, profile and metric; a pinned "
+            "quote is a run of a metric, counted here apart.", ""]
+
+
+def _status_tables(numbers: list[Quoted]) -> list[str]:
+    """One section per runbook (its anchor is the runbook's name), a row per number."""
+    out: list[str] = []
+    for runbook in sorted({q.runbook for q in numbers}):
+        out += [f"## {runbook}", "", "| number | value | state | quoted at | measured | last verified |",
+                "|---|---|---|---|---|---|"]
+        for q in (q for q in numbers if q.runbook == runbook):
+            shown_unit = q.unit and not (q.unit == "fraction" and all(x.endswith("%") for x in q.literals))
+            value = " / ".join(q.literals) + (f" {q.unit}" if shown_unit else "")
+            state = f"**{q.state}**" + (f": {q.why}" if q.why else "")
+            out.append(_row([f"`{q.label}`", value, state, ", ".join(q.places), q.measured, q.verified]))
+        out.append("")
+    return out
+
+
+def status_page(root: Path | str) -> str:
+    """docs/status.md: every number the docs and README quote, with its value, state from input hashes (the same
+    on every machine: nothing runs), where it is quoted, the run that measured it and its last saved verify.
+    Generated; CI fails when it is out of date. One function per section."""
+    root = Path(root)
+    check_inputs_here(root)  # an input this machine cannot hash fails here, never reads "failed" in the page
+    index = verify.index(root, here="-")  # "-": no machine's view; where a number can be re-measured is the intro's
+    numbers = status_numbers(root, index)
+    parts = [_status_front(numbers), _status_intro(), _status_counts(numbers, len(index)), headline_section(root),
+             _status_tables(numbers)]
+    return "\n".join(line for part in parts for line in part).rstrip("\n") + "\n"
+
+
+def _last_verified(root: Path) -> dict[str, str]:
+    """Each number's last verify (`runbook verify --save`: specbook/verified.py), in words, by key."""
+    runs = {f"{n}/{p}/{m}": e.get("run") for n, rf in records.load_all(root, skip_broken=True).items()
+            for p, prof in rf.data["profiles"].items() for m, e in prof["metrics"].items()}
+    return {k: verified.describe(e, runs.get(k)) for k, e in verified.load(root).items()}
 
 
 def headline_section(root: Path) -> list[str]:
@@ -319,11 +410,6 @@ def headline_section(root: Path) -> list[str]:
             "(`headlines.yaml`). A headline down by more than its noise must be explained in the docs "
             "(`<!-- regression: KEY@RUN -->`), or CI fails.", "", *rows, ""]
 
-
-def _row(*cells: str) -> str:
-    """One row of the status table, each cell escaped where it is written: a record's unit or name may hold a `|` or
-    a newline, which would start another cell or row."""
-    return "| " + " | ".join(md_cell(c) for c in cells) + " |"
 
 
 def generated(root: Path | str) -> dict[Path, str]:

@@ -26,3 +26,12 @@ def built(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("site")
     return out, build_site(out)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """A skip for want of Chromium is named at the end, in words: `-q` shows it only as an `s`, and CI runs those
+    tests (README: how to install it)."""
+    reasons = {r.longrepr[2].removeprefix("Skipped: ") for r in terminalreporter.stats.get("skipped", [])
+               if isinstance(r.longrepr, tuple) and "Chromium" in r.longrepr[2]}
+    for reason in sorted(reasons):
+        terminalreporter.write_line(f"browser tests skipped: {reason}; CI runs them", yellow=True, bold=True)

@@ -310,11 +310,28 @@ def test_status_page_names_a_pinned_claims_run(root):
     record_another_run(root, 91.25)
     page(root, "Before <!-- claim: bench/cpu/tok_s@r1 fmt=.1f -->82.5<!-- /claim --> tok/s, after "
                "<!-- claim: bench/cpu/tok_s@r2 fmt=.2f -->91.25<!-- /claim --> tok/s.\n")
-    rows = [r for r in site.status_page(root).splitlines() if r.startswith("| `bench/")]
-    assert rows[0].startswith("| `bench/cpu/tok_s@r1` |") and "| 82.5 tok/s |" in rows[0]
+    text = site.status_page(root)
+    rows = [r for r in text.split("## bench\n", 1)[1].splitlines() if r.startswith("| `cpu/")]
+    assert rows[0].startswith("| `cpu/tok_s@r1` |") and "| 82.5 tok/s |" in rows[0]
     assert "**pinned**" in rows[0] and "2026-11-29" in rows[0] and "2026-12-01" not in rows[0]
-    assert "| 91.25 tok/s |" in rows[1] and "2026-12-01" in rows[1] and "commit `abcdef1234`" in rows[1]
-    assert "Counts: 2 pinned." in site.status_page(root)
+    assert "| 91.25 tok/s |" in rows[1] and "2026-12-01" in rows[1] and "`abcdef1234`" in rows[1]
+    assert "(2 quotes): 2 pinned." in text
+
+
+def test_status_page_has_a_narrow_table_per_runbook_and_says_what_it_counts(root):
+    """A section per runbook (anchor: its name, for links that work on GitHub and the site), one row per number
+    however often it is quoted, short first cells; the counts say how they differ from `runbook status`'s."""
+    write_record(root, source="measured", profile="cpu")
+    page(root, "Decode at <!-- claim: bench/cpu/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s, or "
+               "<!-- claim: bench/cpu/tok_s fmt=range:.0f -->82-83<!-- /claim --> tok/s.\n")
+    page(root, "Again <!-- claim: bench/cpu/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s.\n", name="q.md")
+    text = site.status_page(root)
+    section = text.split("\n## bench\n", 1)[1]
+    rows = [r for r in section.splitlines() if r.startswith("| `")]
+    assert rows == [rows[0]] and rows[0].startswith("| `cpu/tok_s` | 82.5 / 82-83 tok/s | **current** | ")
+    assert "| [p.md:8](p.md), [q.md:8](q.md) |" in rows[0]
+    assert "`runbook status` counts something else: every recorded metric (1)" in text
+    assert "(3 quotes): 1 current." in text
 
 
 FORGED = "tok/s | forged |\n| `bench/cpu/evil` | [x](x) | 1 | on `cpu` | **current** | unchanged | x |\n\x1b[2J"
@@ -330,9 +347,10 @@ def test_a_records_text_stays_in_its_cell_and_line(root):
     path.write_text(yaml.safe_dump(data))
     page(root, "x <!-- claim: bench/cpu/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s\n")
     (root / "runbooks").mkdir(exist_ok=True)
-    table = [r for r in site.status_page(root).splitlines() if r.startswith("|")]
+    table = [r for r in site.status_page(root).split("\n## bench\n", 1)[1].splitlines() if r.startswith("|")]
     assert len(table) == 3, table  # the header, its rule, one row
-    assert all(len(re.findall(r"(?<!\\)\|", r)) == 8 for r in table), table  # 7 cells each
+    cells = {len(re.findall(r"(?<!\\)\|", r)) for r in table}
+    assert len(cells) == 1, table  # every row as many cells as the header
     shown = CliRunner().invoke(main, ["--root", str(root), "show", "bench"])
     assert shown.exit_code == 0, shown.output
     lines = shown.stdout.splitlines()

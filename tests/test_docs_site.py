@@ -60,9 +60,18 @@ def test_dashboard_history_plot(tmp_path):
         "value": 12.5, "unit": "ms", "direction": "lower", "tolerance": {"rel": 0.1}, "run": "a",
         "history": [{"value": 14.0, "run": "a"}, {"value": 12.5, "run": "a"}]}
     records.save(rf)
+    rf.data["profiles"]["cpu"]["metrics"]["tok_s"] = {
+        "value": 80.0, "unit": "tok/s", "direction": "higher", "tolerance": {"rel": 0.1}, "run": "a",
+        "history": [{"value": 75.0, "run": "a"}, {"value": 80.0, "run": "a"}]}
+    records.save(rf)
     text, plots = site.dashboard(tmp_path)
     assert 'data-record="bench/cpu/ms">12.5<' in text and "verdict-reported" in text
     assert list(plots) == ["dashboard/bench-cpu.svg"] and "<svg" in plots["dashboard/bench-cpu.svg"]
+    svg = plots["dashboard/bench-cpu.svg"]
+    # small multiples: a panel per metric, titled with it, its unit on the y axis (text kept as SVG text)
+    assert len(re.findall(r'<g id="axes_\d+"', svg)) == 2, svg[:2000]
+    for name, unit in (("ms", "ms"), ("tok_s", "tok/s")):
+        assert f">{name}</text>" in svg and f">{unit}</text>" in svg
 
 
 @pytest.mark.content
@@ -108,3 +117,30 @@ def test_search_index_has_the_docs_but_not_the_notebooks(built):
     locations = [d["location"] for d in index["docs"]]
     assert "findings/" in locations
     assert not [loc for loc in locations if loc.startswith("runbooks/executed/")]
+
+
+def _slug(heading: str) -> str:
+    """A heading's anchor as GitHub and MkDocs' toc make it: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]|<[^>]+>", "", heading).strip().lower()
+    return re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", text))
+
+
+@pytest.mark.content
+def test_docs_links_work_in_plain_markdown_views():
+    """Links between docs pages go to files in the repository (not to pages only the site generates, such as
+    the dashboard) and to headings they have: GitHub and an agent's checkout show the Markdown as it is."""
+    docs = ROOT / "docs"
+    texts = {p: p.read_text() for p in [*docs.rglob("*.md"), ROOT / "README.md"]}
+    texts[docs / "status.md"] = site.status_page(ROOT)  # as `runbook site` writes it
+    dead = []
+    for page, text in texts.items():
+        for target, anchor in re.findall(r"\]\(([^)#\s]*\.md)(?:#([^)\s]+))?\)", text):
+            if re.match(r"\w+://", target):
+                continue
+            path = (page.parent / target).resolve()
+            if path not in texts and not path.is_file():
+                dead.append(f"{page.relative_to(ROOT)}: {target}")
+            elif anchor and anchor not in {_slug(h) for h in re.findall(r"^#+ (.+)$", texts.get(path) or
+                                                                           path.read_text(), flags=re.M)}:
+                dead.append(f"{page.relative_to(ROOT)}: {target}#{anchor}")
+    assert not dead, dead

@@ -36,3 +36,21 @@ def test_the_main_job_installs_only_the_base_dependencies():
     base = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     names = {re.split(r"[<>=!~; \[]", d, maxsplit=1)[0].lower() for d in base}
     assert not names & {"triton", "playwright", "pytest", "pytest-timeout", "mkdocs", "fastapi", "speculators"}, names
+
+
+def test_the_readme_says_the_browser_test_is_skipped_without_chromium_and_how_to_install_it():
+    """The test command passes without Chromium by skipping the browser test, while CI installs it: a user must
+    read why a local run and CI differ, and the browser test's skip must give the same install command."""
+    text = (ROOT / "README.md").read_text()
+    assert "tests/test_browser.py" in text and "skipped" in text and "apt-get install chromium" in text
+    assert "apt-get install chromium" in (ROOT / "tests" / "test_browser.py").read_text()
+    assert "apt-get install" in (ROOT / ".ci" / "run").read_text() and "chromium" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_readme_builds_and_serves_the_site_without_the_banner():
+    """mkdocs prints an end-of-life banner unless NO_MKDOCS_2_WARNING=1: the README's site commands set it, as CI."""
+    blocks = re.findall(r"```bash\n(.+?)\n```", (ROOT / "README.md").read_text(), flags=re.S)
+    commands = [c for block in blocks for c in block.splitlines() if "mkdocs " in c]
+    assert any("mkdocs build" in c for c in commands) and any("mkdocs serve" in c for c in commands), commands
+    assert all(c.startswith("NO_MKDOCS_2_WARNING=1 ") for c in commands), commands
+    assert "export NO_MKDOCS_2_WARNING=1" in (ROOT / ".ci" / "run").read_text()
