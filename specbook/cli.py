@@ -753,7 +753,7 @@ def show(obj: Ctx, name: str, as_json: bool) -> None:
             rows.append([pname, mname, _num(m["value"]), m["unit"], m["direction"],
                          f"rel {tol.get('rel', 0):g} abs {tol.get('abs', 0):g}", len(m.get("history", [])),
                          r["source"], age(r["date"]), m["run"]])
-        runs += [one_line(_run_line(pname, r)) for r in prof["runs"]]
+        runs += ["\n    ".join(map(one_line, _run_line(pname, r).split("\n    "))) for r in prof["runs"]]
     text = f"{name}: {path.relative_to(root)}\n" + (_table(
         ["profile", "metric", "value", "unit", "direction", "tolerance", "history", "source", "age", "run"], rows)
         if rows else "no records") + "".join(f"\n{line}" for line in runs)
