@@ -166,6 +166,12 @@ class Eagle3Drafter(StaticCacheModule):
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def probs_to_target(self, probs: torch.Tensor) -> torch.Tensor:
+        """[..., Vd] a distribution over the draft vocabulary -> [..., V] over target ids (0 outside the draft
+        vocabulary)."""
+        ids = self.draft_to_target(torch.arange(probs.shape[-1], device=probs.device))
+        return probs.new_zeros(*probs.shape[:-1], self.cfg.vocab_size).index_copy(-1, ids, probs)
+
     def setup_caches(self, max_seq_len: int, batch_size: int = 1) -> None:
         attn = self.midlayer.self_attn
         attn.cache = attn.make_cache(batch_size, max_seq_len, self.dtype, self.device)

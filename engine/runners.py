@@ -9,6 +9,16 @@ the phase before it writes into those buffers, so a replay needs no host data:
   CompactRunner  trees only: the accepted path's K/V moved into place, one graph per accepted count
 
 engine.speculate captures them (SpecDecoder._prepare) and replays them in its loop.
+
+Sampling (temperature above the floor): a chain draws each draft from the drafter's q_T (the target's transform -
+temperature, top-k, top-p - of the drafter's logits) with Exp(1) noise drawn per cycle into DraftState.noise, keeps
+q_T of each drafted token, and its verify accepts by the standard speculative-sampling rule
+(engine.sampling.speculative_choices): a draft is accepted with probability 1 - TV(p_T, q_T). Trees keep their
+deterministic top-k drafts, whose q is a point mass: EAGLE's multi-draft rule (accept a child with probability
+p'(child), else zero it in p' and renormalise), which the verify's race of p over the children is. Sampled trees
+would take SpecInfer's multi-draft rule: siblings drawn from q_T (with or without replacement), each kept with
+probability min(1, p'(x) / q(x)) against the residual p' = norm(max(0, p' - q)) left by the siblings before it,
+so the verify would need q_T per node and a sequential pass over each node's children.
 """
 from __future__ import annotations
 
@@ -21,7 +31,7 @@ import torch.nn.functional as F
 from engine.deterministic import Deterministic, width_forward
 from engine.drafter import Eagle3Drafter
 from engine.graphs import CapturedCall, GraphSet
-from engine.sampling import SamplingParams, greedy, logits_to_probs
+from engine.sampling import SamplingParams, greedy, logits_to_probs, race, speculative_choices
 from engine.tree import TreeShape, accept, ancestors, build_tree, select_nodes, top_children, topk, tree_mask
 
 
@@ -46,17 +56,23 @@ class DraftState:
     pool_tokens: torch.Tensor  # [P] target ids
     pool_parents: torch.Tensor  # [P] pool index of the parent, -1 for depth 1
     pool_depth: torch.Tensor  # [P] constant
+    pool_probs: torch.Tensor  # [P, Vd] a sampled chain's q_T of each drafted token (no rows for a tree)
+    noise: torch.Tensor  # [steps, Vd] a sampled chain's Exp(1) draws, one row per depth (filled per cycle)
 
     @classmethod
-    def empty(cls, shape: TreeShape, hidden: int, dtype: torch.dtype, device: torch.device) -> "DraftState":
+    def empty(cls, shape: TreeShape, hidden: int, draft_vocab: int, dtype: torch.dtype,
+              device: torch.device) -> "DraftState":
         K, P = shape.topk, shape.pool_size
         long = dict(dtype=torch.long, device=device)
         parents = torch.full((P,), -1, **long)
+        chain = K == 1
         return cls(torch.zeros(1, **long), torch.zeros(1, **long), torch.zeros(K, device=device),
                    torch.zeros(K, **long), torch.zeros(K, **long), torch.zeros(1, K, hidden, dtype=dtype,
                                                                                  device=device),
                    torch.zeros(K, shape.scratch, dtype=torch.bool, device=device), torch.zeros(P, device=device),
-                   torch.zeros(P, **long), parents, shape.pool_depths(device))
+                   torch.zeros(P, **long), parents, shape.pool_depths(device),
+                   torch.zeros(P if chain else 0, draft_vocab, device=device),
+                   torch.ones(shape.steps if chain else 0, draft_vocab, device=device))
 
 
 @dataclass
@@ -95,18 +111,34 @@ class ExtendInputs:
                    torch.ones(1, **long))
 
 
+GREEDY = SamplingParams()
+
+
+def sampled_child(logits: torch.Tensor, noise: torch.Tensor, sampling: SamplingParams
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A sampled chain's next draft: logits [1, Vd], noise [1, Vd] Exp(1) -> log q_T(draft) [1], the draft [1]
+    (draft-vocabulary id) and q_T [1, Vd], the target's sampling transform of the drafter's logits."""
+    q = logits_to_probs(logits, sampling)
+    ids = race(q, noise)
+    return q.gather(1, ids[:, None])[:, 0].log(), ids, q
+
+
 class DraftRunner:
-    """The draft phase as one graph per (draft-token count, with the extend): the draft-extend over the last accepted
-    path (left out in the first cycle, whose extend was the prefill's), the k-1 draft steps (none for a verify of one
-    token), the tree build into the verify's inputs. One compile each for the extend, all draft steps and the build."""
+    """The draft phase as one graph per (draft-token count, with the extend, draft sampling): the draft-extend over
+    the last accepted path (left out in the first cycle, whose extend was the prefill's), the k-1 draft steps (none
+    for a verify of one token), the tree build into the verify's inputs. One compile each for the extend, all draft
+    steps and the build. Drafts are the drafter's top-k, except a chain's at temperature > 0 (`sampled`): drawn from
+    q_T, one graph set per sampling setting."""
 
     def __init__(self, target: torch.nn.Module, drafter: Eagle3Drafter, shape: TreeShape, max_seq_len: int,
                  compile: bool = False):
         self.target, self.drafter, self.shape, self.max_seq_len = target, drafter, shape, max_seq_len
         self.device, self.compile = target.device, compile
-        self.state = DraftState.empty(shape, drafter.cfg.hidden_size, drafter.dtype, self.device)
+        self.state = DraftState.empty(shape, drafter.cfg.hidden_size, drafter.cfg.draft_vocab_size, drafter.dtype,
+                                      self.device)
         self.inputs = ExtendInputs.empty(shape.steps + 1, 3 * drafter.cfg.feature_size, drafter.dtype, self.device)
-        self.calls: dict[tuple[int, bool], CapturedCall] = {}
+        self.calls: dict[tuple[int, bool, SamplingParams], CapturedCall] = {}
+        self.pool = None  # the graphs' shared memory pool
 
     @property
     def captured(self) -> bool:
@@ -114,35 +146,65 @@ class DraftRunner:
 
     def clear(self) -> None:
         self.calls.clear()
+        self.pool = None
 
-    def __call__(self, n: int, extend: bool) -> None:
-        self.calls[n, extend]()
+    def sampled(self, sampling: SamplingParams) -> bool:
+        """Whether drafts are drawn from q_T: a chain's at temperature > 0 (a tree's stay its top-k)."""
+        return self.shape.topk == 1 and not sampling.greedy
 
-    def capture(self, trees: dict[int, TreeInputs], enabled: bool) -> None:
-        """One graph per verify size in `trees` (largest first: the smaller reuse its pool), with and without the
-        extend; they never replay at once, so they share one memory pool."""
+    def drafting(self, sampling: SamplingParams) -> SamplingParams:
+        """The setting the draft phase runs under: the request's when sampled, else greedy (one graph set for all)."""
+        return sampling if self.sampled(sampling) else GREEDY
+
+    def __call__(self, n: int, extend: bool, sampling: SamplingParams = GREEDY) -> None:
+        self.calls[n, extend, self.drafting(sampling)]()
+
+    def draw(self, sampling: SamplingParams, generator: torch.Generator) -> None:
+        """Fresh noise for the next draft phase of a sampled chain, on the device before its graph replays (as the
+        verify's noise is drawn)."""
+        if self.sampled(sampling):
+            self.state.noise.exponential_(generator=generator)
+
+    def target_probs(self) -> torch.Tensor:
+        """[steps, V] a sampled chain's q_T of each drafted token over the target vocabulary, in depth order."""
+        return self.drafter.probs_to_target(self.state.pool_probs)
+
+    def capture(self, trees: dict[int, TreeInputs], enabled: bool, sampling: SamplingParams = GREEDY) -> None:
+        """Once per draft setting: one graph per verify size in `trees` (largest first: the smaller reuse its pool),
+        with and without the extend; they never replay at once, so they share one memory pool."""
+        mode = self.drafting(sampling)
+        if any(key[2] == mode for key in self.calls):
+            return
         st = self.state
-        compiled = {"extend": maybe_compile(self.extend, self.compile),
-                    "step": maybe_compile(self._draft_step, self.compile)}
-        pool = torch.cuda.graph_pool_handle() if enabled and self.device.type == "cuda" else None
+        compiled = {"extend": maybe_compile(lambda feats, tokens, count: self.extend(feats, tokens, count, mode),
+                                            self.compile),
+                    "step": maybe_compile(lambda **inputs: self._draft_step(mode, **inputs), self.compile)}
+        if self.pool is None and enabled and self.device.type == "cuda":
+            self.pool = torch.cuda.graph_pool_handle()
         for n in sorted(trees, reverse=True):
             for extend in (True, False):
                 st.start.zero_()  # warm-up runs advance start: keep their writes inside the cache
-                self.calls[n, extend] = CapturedCall(self._phase_fn(trees[n], extend, compiled),
-                                                     {**vars(self.inputs), "start": st.start}, enabled=enabled,
-                                                     pool=pool)
+                self.calls[n, extend, mode] = CapturedCall(self._phase_fn(trees[n], extend, compiled),
+                                                           {**vars(self.inputs), "start": st.start},
+                                                           enabled=enabled, pool=self.pool)
         st.start.zero_()  # the verify warm-ups then write slots 0..N-1
 
-    def extend(self, feats: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> None:
+    def extend(self, feats: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor,
+               sampling: SamplingParams = GREEDY) -> None:
         """Drafter entries for positions start .. start+T-1 from target features and the tokens after them; the
-        top-K at entry count-1 become the depth-1 candidates. Advances start by count (rows past it are padding).
-        Also the prefill's extend over the prompt, eagerly."""
+        top-K at entry count-1 (a sampled chain: a draw from q_T with noise row 0) become the depth-1 candidates.
+        Advances start by count (rows past it are padding). Also the prefill's extend over the prompt, eagerly."""
         st, K = self.state, self.shape.topk
         T = tokens.shape[1]
         pos = st.start + torch.arange(T, device=self.device)
         logits, out = self.drafter(feats, tokens, pos)
         last = count - 1
-        scores, ids = topk(F.log_softmax(logits[0].index_select(0, last)[0], -1), K)
+        row = logits[0].index_select(0, last)
+        if self.sampled(sampling):
+            scores, ids, q = sampled_child(row, st.noise[:1], sampling)
+            st.pool_probs[:1].copy_(q)
+        else:
+            scores, ids = topk(F.log_softmax(row[0], -1), K)
         st.pool_scores[:K] = scores
         st.pool_tokens[:K] = self.drafter.draft_to_target(ids)
         st.beam_scores.copy_(scores)
@@ -165,16 +227,22 @@ class DraftRunner:
         return {"start": st.start, "depth": torch.full((1,), i - 1, **long), "slots": S + own_slots,
                 "itself": itself, "dst": torch.arange(off, off + K * K, **long)}
 
-    def _draft_step(self, start: torch.Tensor, depth: torch.Tensor, slots: torch.Tensor, itself: torch.Tensor,
-                    dst: torch.Tensor) -> None:
+    def _draft_step(self, sampling: SamplingParams, start: torch.Tensor, depth: torch.Tensor, slots: torch.Tensor,
+                    itself: torch.Tensor, dst: torch.Tensor) -> None:
         """One draft step: the beams (at position root + depth) each propose K children; all K*K join the pool at
-        `dst`, the best K become the next beams."""
+        `dst`, the best K become the next beams. A sampled chain's one child is a draw from q_T with noise row
+        depth + 1."""
         st, K, S = self.state, self.shape.topk, self.max_seq_len
         pos = (start + depth).expand(K)
         own = st.beam_anc | itself
         mask = torch.cat([(self.target.slot_ids[:S] < start)[None, :].expand(K, S), own], dim=1)
         logits, out = self.drafter(st.beam_hidden, st.beam_tokens[None], pos, slots, mask)
-        scores, ids, rows = top_children(st.beam_scores, F.log_softmax(logits[0], -1), K)
+        if self.sampled(sampling):
+            logq, ids, q = sampled_child(logits[0], st.noise.index_select(0, depth + 1), sampling)
+            scores, rows = st.beam_scores + logq, torch.zeros_like(ids)
+            st.pool_probs.index_copy_(0, dst, q)
+        else:
+            scores, ids, rows = top_children(st.beam_scores, F.log_softmax(logits[0], -1), K)
         tokens = self.drafter.draft_to_target(ids)
         st.pool_scores.index_copy_(0, dst, scores)
         st.pool_tokens.index_copy_(0, dst, tokens)
@@ -228,9 +296,12 @@ class VerifyRunner:
 
     def __init__(self, target: torch.nn.Module, aux_layers: tuple[int, ...], shape: TreeShape, max_seq_len: int,
                  extend_inputs: ExtendInputs, compile: bool = False, eager: bool = False,
-                 deterministic: Deterministic | None = None):
+                 deterministic: Deterministic | None = None,
+                 draft_probs: Callable[[], torch.Tensor] | None = None):
         self.target, self.aux_layers, self.shape = target, aux_layers, shape
         self.extend_inputs = extend_inputs
+        # a sampled chain's q_T of each draft over the target vocabulary, [steps, V] (DraftRunner.target_probs)
+        self.draft_probs = draft_probs
         self.compile, self.eager, self.deterministic = compile, eager, deterministic
         vocab, dev = target.cfg.vocab_size, target.device
         # the full tree, and one token for the cache's end where the tree no longer fits
@@ -265,14 +336,24 @@ class VerifyRunner:
         return verify
 
     def _settle_fn(self, n: int, sampling: SamplingParams) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        """The target's choice after every node, then the accepted path (engine.tree.accept: a node is accepted when
+        its token is its parent's choice). Greedy: the argmax. Sampled: a chain's drafts were drawn from q_T, so
+        speculative sampling with that q; a tree's are the drafter's top-k (q a point mass), for which the race
+        of p after each node is the rule."""
         max_depth, ext = self.shape.steps, self.extend_inputs
         m = min(n, max_depth + 1)  # path rows the extend can need
+        sampled_chain = not sampling.greedy and self.shape.topk == 1 and n > 1
+        if sampled_chain and self.draft_probs is None:
+            raise ValueError("the verify of a sampled chain needs the drafts' distributions (draft_probs)")
 
         def settle(tokens, logits, aux, parents, depth, anc, noise):
             if sampling.greedy:
                 choice = greedy(logits[0])
+            elif sampled_chain:
+                choice = speculative_choices(tokens[0, 1:], logits_to_probs(logits[0], sampling), self.draft_probs(),
+                                             noise)
             else:
-                choice = greedy(logits_to_probs(logits[0], sampling) / noise)  # exponential race
+                choice = race(logits_to_probs(logits[0], sampling), noise)
             count, path, emitted = accept(tokens[0], choice, parents, depth, anc, max_depth)
             ext.feats[:, :m].copy_(aux.index_select(1, path[:m]))
             ext.tokens[0, :m].copy_(emitted[:m])

@@ -64,10 +64,40 @@ def logits_to_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits.softmax(-1)
 
 
+def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...] a sample of each row of `weights` (a distribution, or unnormalised non-negative weights) by
+    the exponential race argmax(w / E) over Exp(1) draws `noise` - multinomial sampling without a host sync. Drawn
+    ahead into a static buffer, the noise keeps a captured graph free of random-number state."""
+    return greedy(weights / noise)
+
+
 def sample_from_probs(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Exponential-race sampling (argmax of p / Exp(1)) - equivalent to multinomial, without a host sync."""
-    q = torch.empty_like(probs).exponential_(1, generator=generator)
-    return greedy(probs / q)
+    """A sample of each row of probs (the exponential race over fresh draws)."""
+    return race(probs, torch.empty_like(probs).exponential_(1, generator=generator))
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """max(0, p - q), the unnormalised distribution a rejected draft is replaced from (the race needs no norm)."""
+    return (p - q).clamp(min=0)
+
+
+def speculative_choices(drafts: torch.Tensor, p: torch.Tensor, q: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The target's choice after each node of a chain whose drafts were sampled from the drafter: speculative
+    sampling (Leviathan et al. 2023, Chen et al. 2023), every row at once, without a host sync.
+
+    drafts [n-1]: node i+1's token, drawn from q[i] [n-1, V]; p [n, V]: the target's distribution after each node;
+    noise [n, V]: Exp(1) draws. Draft x after node i is kept when u < p_i(x) / q_i(x), u = exp(-noise[i, x])
+    (uniform); else the choice is a sample of norm(max(0, p_i - q_i)), raced over the row's other draws (x itself
+    is left out: a rejected x has p_i(x) < q_i(x), so weight 0, and the race stays independent of u); after the last
+    node it is a sample of p. engine.tree.accept then keeps each node whose token is its parent's choice: a draft is
+    accepted with probability 1 - TV(p_i, q_i), and the emitted tokens are distributed as the target's p.
+    -> [n] the choice after each node."""
+    x = drafts[:, None]
+    u = torch.exp(-noise[:-1].gather(1, x))
+    keep = (u * q.gather(1, x) < p[:-1].gather(1, x))[:, 0]
+    weights = torch.cat([residual(p[:-1], q).scatter(1, x, -1.0), p[-1:]])
+    choice = race(weights, noise)
+    return torch.cat([torch.where(keep, drafts, choice[:-1]), choice[-1:]])
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -6,14 +6,19 @@ entries for 0..L-2 (entry p = target features at p + token p+1). The last token 
 One cycle:
   draft    the previous draft-extend's logits give K depth-1 candidates; draft steps 1..k-1 (one drafter forward
            of K tokens each, at position L-2+i, written to scratch slots past the sequence) grow the pool
-           (engine.tree), and the best `draft_tokens - 1` nodes form the tree.
+           (engine.tree), and the best `draft_tokens - 1` nodes form the tree. Candidates are the drafter's top-k,
+           except a chain's when sampling: each draft is drawn from the drafter's q_T (the target's temperature,
+           top-k and top-p applied to the drafter's logits), with noise drawn per cycle from the generation's seed.
   verify   ONE target forward over root + tree at positions L-1 + depth, slots L-1 + node index, tree mask,
            returning the drafter's features. The target's choice after every node (argmax, or a sample) decides
-           the accepted path: exactly the target's greedy output, and with sampling exactly its distribution -
-           drafts are picked deterministically (top-k), so the draft distribution is a point mass and rejection
-           sampling with residual resampling (accept child c with probability p'(c), else zero c in p' and
-           renormalise; after the last child sample p') is the same as drawing t ~ p and taking the child equal to
-           t, as EAGLE's evaluate_posterior and SGLang's target-only tree sampling do.
+           the accepted path: exactly the target's greedy output, and with sampling exactly its distribution.
+           A sampled chain takes speculative sampling (Leviathan et al. 2023, Chen et al. 2023): draft x kept with
+           probability min(1, p(x) / q(x)), else replaced by a sample of norm(max(0, p - q)), the bonus from p - a
+           draft is accepted with probability 1 - TV(p_T, q_T). A tree's drafts are picked deterministically
+           (top-k), so the draft distribution is a point mass and rejection sampling with residual resampling
+           (accept child c with probability p'(c), else zero c in p' and renormalise; after the last child sample
+           p') is the same as drawing t ~ p and taking the child equal to t, as EAGLE's evaluate_posterior and
+           SGLang's target-only tree sampling do (engine.runners says what sampled trees would need).
            It also writes the accepted path's features and tokens into the draft-extend's static inputs.
   sync     the accepted count and tokens come to the host: the cycle's only synchronisation. On CUDA the next
            cycle's draft phase is queued before the host waits (its inputs are all on the device), so the GPU
@@ -85,7 +90,7 @@ class SpecDecoder:
         self.result = HostCopy(self.shape.draft_tokens + 1, self.device)
         self.draft = DraftRunner(target, drafter, self.shape, max_seq_len, compile)
         self.verify = VerifyRunner(target, drafter.aux_layers, self.shape, max_seq_len, self.draft.inputs, compile,
-                                   eager_verify, self.deterministic)
+                                   eager_verify, self.deterministic, self.draft.target_probs)
         self.compact: CompactRunner | None = None
         self._caches = None  # the cache objects the graphs were captured over
 
@@ -107,12 +112,12 @@ class SpecDecoder:
 
     @torch.no_grad()
     def _prepare(self, sampling: SamplingParams) -> None:
-        """Caches and graphs (captured once per cache allocation; verify once per sampling setting). The draft
-        phase is captured first: its warm-ups leave start at 0, where the verify warm-ups then write."""
+        """Caches and graphs (captured once per cache allocation; verify, and a sampled chain's draft phase, once per
+        sampling setting). The draft phase is captured first: its warm-ups leave start at 0, where the verify warm-ups then write."""
         self._fit_caches()
         if not self.draft.captured:
-            self.draft.capture(self.verify.inputs, self.cuda_graphs)
             self.compact = CompactRunner(self.target, self.shape, self.cuda_graphs)
+        self.draft.capture(self.verify.inputs, self.cuda_graphs, sampling)
         self.verify.capture(sampling, self.cuda_graphs)
 
     @torch.no_grad()
@@ -128,7 +133,8 @@ class SpecDecoder:
                 first = sample_from_probs(logits_to_probs(logits[0, -1:], sampling), gen) if not sampling.greedy \
                     else greedy(logits[0, -1:])
                 nxt = torch.cat([nxt, first[None]], dim=1)
-            self.draft.extend(feats, nxt, torch.full((1,), e - s, device=self.device))
+                self.draft.draw(sampling, gen)  # the noise of the first draft phase, which this extend begins
+            self.draft.extend(feats, nxt, torch.full((1,), e - s, device=self.device), sampling)
 
     # ---- the loop -----------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -153,7 +159,8 @@ class SpecDecoder:
         while True:
             n = N if L - 1 + N <= S else 1
             if not ahead:
-                self.draft(n, extend)
+                self.draft.draw(sampling, gen)
+                self.draft(n, extend, sampling)
             draft_s = clock.lap()
             if not sampling.greedy:
                 self.verify.inputs[n].noise.exponential_(generator=gen)
@@ -163,8 +170,9 @@ class SpecDecoder:
             # The next draft needs only device data: queue it while the host waits, unless this cycle may be the
             # last (length), the next size depends on the count (cache end), or the phases are being timed.
             ahead = self.overlap and not timed and done + longest < max_new_tokens and L + longest - 1 + N <= S
-            if ahead:
-                self.draft(N, True)
+            if ahead:  # its noise is drawn after this cycle's, as without overlap: the same tokens either way
+                self.draft.draw(sampling, gen)
+                self.draft(N, True, sampling)
             host = self.result.wait()  # the cycle's one host synchronisation
             c = host[0]
             tokens, reason = cut_at_stop(host[1:1 + c][:max_new_tokens - done], stop_ids)

@@ -146,7 +146,9 @@ print(f"best: {label(best)} ({speedup(best):.2f}x); best tree: {label(best_tree)
 # ## Sampled: the chain and the best tree at `temperature`
 #
 # Rejection sampling keeps the target's distribution, so the baseline samples at the same temperature; every
-# generation is seeded (`seed`), so on CPU the tokens and accept lengths repeat exactly.
+# generation is seeded (`seed`), so on CPU the tokens and accept lengths repeat exactly. The chain draws its drafts
+# from the drafter's distribution at that temperature and accepts by speculative sampling (a draft kept with
+# probability 1 - TV(p, q) on average); trees keep their top-k drafts (engine.runners says why).
 
 # %%
 sampling = SamplingParams(temperature=temperature)

@@ -106,6 +106,18 @@ def test_round_trip_same_outputs(tmp_path, target):
     assert l3.shape == (1, 5, target.cfg.vocab_size // 2)
 
 
+
+def test_a_draft_distribution_moves_to_the_target_ids(target):
+    """A sampled chain's q_T over the draft vocabulary, as the verify reads it: each draft id's mass at its target
+    id, nothing at the ids outside the draft vocabulary."""
+    d = small_drafter(target)
+    q = torch.rand(3, d.cfg.draft_vocab_size).softmax(-1)
+    full = d.probs_to_target(q)
+    assert full.shape == (3, target.cfg.vocab_size)
+    assert torch.equal(full[:, 0::2], q) and not full[:, 1::2].any()
+    draft_ids = torch.tensor([0, 7, d.cfg.draft_vocab_size - 1])
+    assert torch.equal(full.gather(1, d.draft_to_target(draft_ids)[:, None])[:, 0], q[torch.arange(3), draft_ids])
+
 def test_shared_embedding_is_not_a_parameter_of_the_drafter(target):
     d = small_drafter(target)
     assert not any(n.startswith("embed_tokens") for n, _ in d.named_parameters())

@@ -43,9 +43,11 @@ def bigram_target(context: float, vocab: int = V, scale: float = 0.5, seed: int 
 
 
 class OracleDrafter(Eagle3Drafter):
-    """A real drafter forward whose logits are then pushed toward bigram(next token); on tokens divisible by
-    `miss` its first choice is wrong and the bigram only second (so trees accept a second branch)."""
+    """A real drafter forward whose logits are then pushed toward bigram(next token) by `sure`; on tokens divisible
+    by `miss` its first choice is wrong and the bigram only second (so trees accept a second branch). A small `sure`
+    leaves the drafter's q far from a point mass."""
     miss = 0
+    sure = 40.0
 
     def forward(self, hidden, input_ids, input_pos, cache_slots=None, attn_mask=None):
         logits, out = super().forward(hidden, input_ids, input_pos, cache_slots, attn_mask)
@@ -53,14 +55,15 @@ class OracleDrafter(Eagle3Drafter):
         right = torch.nn.functional.one_hot(bigram(input_ids, v), v).float()
         wrong = torch.nn.functional.one_hot((bigram(input_ids, v) + 1) % v, v).float()
         missed = (input_ids % self.miss == 0)[..., None] if self.miss else torch.zeros_like(right, dtype=torch.bool)
-        return logits + torch.where(missed, 40 * wrong + 20 * right, 40 * right), out
+        sure = self.sure
+        return logits + torch.where(missed, sure * wrong + sure / 2 * right, sure * right), out
 
 
-def drafter_for(target, oracle: bool = False, miss: int = 0, seed: int = 3) -> Eagle3Drafter:
+def drafter_for(target, oracle: bool = False, miss: int = 0, seed: int = 3, sure: float = 40.0) -> Eagle3Drafter:
     d = new_drafter(target.cfg, torch.arange(target.cfg.vocab_size), embedding=target.embed_tokens, seed=seed)
     if oracle:
         d.__class__ = OracleDrafter
-        d.miss = miss
+        d.miss, d.sure = miss, sure
     return d
 
 
@@ -233,12 +236,14 @@ SAMPLING_SCALE = 0.05  # the bigram token about 3 times in 4
 SAMPLES = 800
 
 
-@pytest.mark.parametrize("topk,n", [(1, None), (2, 5)])
-def test_sampling_keeps_target_distribution(topk, n):
-    vocab = 11
-    t = bigram_target(1.0, vocab=vocab, scale=SAMPLING_SCALE)
-    d = drafter_for(t, oracle=True, miss=4)
-    sampling = SamplingParams(temperature=1.0)
+SOFT = 1.5  # an oracle drafter this sure puts about a third of q_T on the bigram: far from a point mass and from p
+
+
+def sampled_generations(topk: int, n: int | None, sure: float, sampling: SamplingParams
+                        ) -> tuple[list[list[int]], int, tuple[list[torch.Tensor], torch.Tensor], int]:
+    """SAMPLES seeded generations of 3 tokens, the drafts accepted, the target's exact marginals and joint."""
+    t = bigram_target(1.0, vocab=SAMPLING_V, scale=SAMPLING_SCALE)
+    d = drafter_for(t, oracle=True, miss=4, sure=sure)
     prompt = [1, 5, 2]
     spec = SpecDecoder(t, d, 32, steps=2, topk=topk, draft_tokens=n)
     samples, accepted = [], 0
@@ -246,16 +251,53 @@ def test_sampling_keeps_target_distribution(topk, n):
         r = spec.generate(prompt, 3, sampling, seed=seed)
         samples.append(r.token_ids)
         accepted += r.accepted_tokens
+    return samples, accepted, exact_marginals(t, prompt, 3, sampling)
+
+
+def joint_chi_square(samples: list[list[int]], joint: torch.Tensor) -> tuple[float, int]:
+    """The three tokens together: the prefill's token, then a cycle's, each conditioned on those before it."""
+    v = SAMPLING_V
+    cells = torch.tensor([(s[0] * v + s[1]) * v + s[2] for s in samples])
+    return chi_square(torch.bincount(cells, minlength=v ** 3).float(), joint)
+
+
+SAMPLING_V = 11
+SOFT_SAMPLING = SamplingParams(temperature=1.3, top_k=6)  # spread p: the faults have room to show
+
+
+@pytest.mark.parametrize("topk,n,sure,sampling", [(1, None, 40.0, SamplingParams(temperature=1.0)),
+                                                  (1, None, SOFT, SOFT_SAMPLING),
+                                                  (2, 5, 40.0, SamplingParams(temperature=1.0))],
+                         ids=["chain", "chain-soft-drafter", "tree"])
+def test_sampling_keeps_target_distribution(topk, n, sure, sampling):
+    """End to end, the drafts of a chain sampled from the drafter's q_T (a soft drafter: q far from a point mass
+    and from p) and a tree's top-k drafts: the tokens are distributed as the target samples them."""
+    samples, accepted, (marginals, joint) = sampled_generations(topk, n, sure, sampling)
     assert accepted > SAMPLES // 4  # drafts were accepted often, so the acceptance path is what is tested
-    marginals, joint = exact_marginals(t, prompt, 3, sampling)
     for i, p in enumerate(marginals):
-        counts = torch.bincount(torch.tensor([s[i] for s in samples]), minlength=vocab).float()
+        counts = torch.bincount(torch.tensor([s[i] for s in samples]), minlength=SAMPLING_V).float()
         stat, df = chi_square(counts, p)
         assert stat < chi2_critical(df), f"token {i}: chi-square {stat:.1f} on {df} df"
-    # the three tokens together: the prefill's token, then a cycle's, each conditioned on those before it
-    cells = torch.tensor([(s[0] * vocab + s[1]) * vocab + s[2] for s in samples])
-    stat, df = chi_square(torch.bincount(cells, minlength=vocab ** 3).float(), joint)
+    stat, df = joint_chi_square(samples, joint)
     assert stat < chi2_critical(df), f"joint: chi-square {stat:.1f} on {df} df"
+
+
+def test_drafts_not_drawn_from_the_q_they_report_are_caught(monkeypatch):
+    """A planted fault in the draft phase: the chain drafts the drafter's argmax but reports q_T to the verify (the
+    deterministic draft with the sampled rule). The end-to-end test sees it."""
+    import engine.runners
+
+    real = engine.runners.sampled_child
+
+    def argmax_child(logits, noise, sampling):
+        _, _, q = real(logits, noise, sampling)
+        ids = q.argmax(-1)
+        return q.gather(1, ids[:, None])[:, 0].log(), ids, q
+
+    monkeypatch.setattr(engine.runners, "sampled_child", argmax_child)
+    samples, _, (_, joint) = sampled_generations(1, None, SOFT, SOFT_SAMPLING)
+    stat, df = joint_chi_square(samples, joint)
+    assert stat > chi2_critical(df), f"chi-square {stat:.1f} on {df} df: the planted fault went unseen"
 
 
 @pytest.mark.parametrize("topk,n", [(1, None), (2, 5)])
@@ -272,24 +314,25 @@ def test_a_tiny_temperature_speculates_greedily(topk, n):
 
 
 # ---- the acceptance rule alone: one verify's emitted tokens against the published rule ----------------------------
-# Drafts are chosen deterministically (top-k of the drafter), so the draft distribution q is a point mass at the
-# draft token and speculative sampling (Leviathan et al., Chen et al.; SpecInfer / EAGLE for trees) accepts draft x
-# with probability min(1, p(x) / q(x)) = p(x), and on rejection samples norm(max(0, p - q)) = p without x. Emitted
+# A tree's drafts are chosen deterministically (top-k of the drafter), so the draft distribution q is a point mass at
+# the draft token and speculative sampling (Leviathan et al., Chen et al.; SpecInfer / EAGLE for trees) accepts draft
+# x with probability min(1, p(x) / q(x)) = p(x), and on rejection samples norm(max(0, p - q)) = p without x. Emitted
 # that way, a cycle's tokens are distributed as the target sampling token after token until it leaves the tree: this
-# checks the verify's own settle (VerifyRunner) against that distribution, for a chain and a tree.
+# checks the verify's own settle (VerifyRunner) against that distribution, for a tree and for a chain given point
+# masses as q. A chain's drafts are sampled from the drafter's q_T (tests further down): there the rule must use q.
 
 SETTLE_V = 6
 SETTLE_TRIALS = 6000
 
 
-def tiny_verify_runner(shape: TreeShape):
+def tiny_verify_runner(shape: TreeShape, draft_probs=None):
     from engine.runners import ExtendInputs, VerifyRunner
 
     cfg = ModelConfig(vocab_size=SETTLE_V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     t = random_model(cfg)
     ext = ExtendInputs.empty(shape.steps + 1, 8, torch.float32, t.device)
-    return VerifyRunner(t, (0, 0, 0), shape, 32, ext)
+    return VerifyRunner(t, (0, 0, 0), shape, 32, ext, draft_probs=draft_probs)
 
 
 def emitted_distribution(tokens: list[int], parents: list[int], probs: torch.Tensor) -> dict[tuple[int, ...], float]:
@@ -315,8 +358,10 @@ def emitted_distribution(tokens: list[int], parents: list[int], probs: torch.Ten
 def settle_trials(shape: TreeShape, tokens: list[int], parents: list[int], logits: torch.Tensor,
                   sampling: SamplingParams, trials: int = SETTLE_TRIALS, same_noise: bool = False
                   ) -> dict[tuple[int, ...], int]:
-    """Emitted sequences of `trials` verifies of one tree with fixed target logits [N, V], fresh noise each time."""
-    runner = tiny_verify_runner(shape)
+    """Emitted sequences of `trials` verifies of one tree with fixed target logits [N, V], fresh noise each time.
+    A chain's q: point masses at its drafts."""
+    point_masses = torch.nn.functional.one_hot(torch.tensor(tokens[1:]), SETTLE_V).float()
+    runner = tiny_verify_runner(shape, lambda: point_masses)
     n = len(tokens)
     settle = runner._settle_fn(n, sampling)
     par = torch.tensor(parents)
@@ -400,6 +445,105 @@ def test_the_distribution_test_catches_a_wrong_rule(fault, monkeypatch):
     stat, df = settle_chi_square(seen, want)
     assert stat > chi2_critical(df), f"chi-square {stat:.1f} on {df} df: the planted fault went unseen"
 
+
+# ---- a chain's sampled drafts: the rule with the drafter's q -------------------------------------------------------
+# A Markov target and drafter on SETTLE_V tokens: after token a the target samples p_T(lp[a]) and the drafter
+# q_T(lq[a]), q near p but neither p nor a point mass (and top-p leaves them different supports). Each trial drafts
+# a chain from q, settles it with the verify's own settle given that q, and goes on from the last emitted token until
+# MARKOV_LEN tokens are out: their joint law must be the target's own, p(y1 | 0) p(y2 | y1) p(y3 | y2).
+
+MARKOV_LEN = 3
+
+
+def markov_case(seed: int = 11) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lp = torch.randn(SETTLE_V, SETTLE_V, generator=g)
+    return lp, lp + 0.5 * torch.randn(SETTLE_V, SETTLE_V, generator=g)
+
+
+def sampled_chain_trials(lp: torch.Tensor, lq: torch.Tensor, sampling: SamplingParams, steps: int = 3,
+                         trials: int = SETTLE_TRIALS) -> tuple[dict[tuple[int, ...], int], int]:
+    """The first MARKOV_LEN tokens of `trials` generations from token 0 (see above), and how many generations had
+    their first draft accepted."""
+    n, q_rows = steps + 1, logits_to_probs(lq, sampling)
+    drafted_q = torch.zeros(steps, SETTLE_V)
+    settle = tiny_verify_runner(TreeShape.make(steps, 1), lambda: drafted_q)._settle_fn(n, sampling)
+    parents, depth = (torch.arange(n) - 1).clamp(min=0), torch.arange(n)
+    anc, aux = ancestors(parents, steps), torch.zeros(1, n, 8)
+    g = torch.Generator().manual_seed(1)
+    seen: dict[tuple[int, ...], int] = {}
+    first_accepted = 0
+    for trial in range(trials):
+        out: list[int] = []
+        while len(out) < MARKOV_LEN:
+            tokens = [out[-1] if out else 0]
+            for _ in range(steps):
+                tokens.append(int(torch.multinomial(q_rows[tokens[-1]], 1, generator=g)))
+            drafted_q.copy_(q_rows[tokens[:-1]])
+            noise = torch.empty(n, SETTLE_V).exponential_(generator=g)
+            _, result = settle(torch.tensor([tokens]), lp[tokens][None], aux, parents, depth, anc, noise)
+            c = int(result[0])
+            first_accepted += not out and c > 1
+            out += result[1:1 + c].tolist()
+        key = tuple(out[:MARKOV_LEN])
+        seen[key] = seen.get(key, 0) + 1
+    return seen, first_accepted
+
+
+def markov_law(lp: torch.Tensor, sampling: SamplingParams) -> dict[tuple[int, ...], float]:
+    p = logits_to_probs(lp, sampling)
+    law = {(): 1.0}
+    for _ in range(MARKOV_LEN):
+        law = {k + (y,): w * float(p[k[-1] if k else 0, y]) for k, w in law.items() for y in range(SETTLE_V)}
+    return law
+
+
+def sampled_rule_failures() -> list[str]:
+    """The checks of the settle with sampled drafts that fail: the joint law of the emitted tokens (chi-square) and
+    the first draft's acceptance rate, which must be 1 - TV(p, q) (Leviathan et al., theorem 3.5)."""
+    lp, lq = markov_case()
+    seen, first_accepted = sampled_chain_trials(lp, lq, SETTLE_SAMPLING)
+    failures = []
+    stat, df = settle_chi_square(seen, markov_law(lp, SETTLE_SAMPLING))
+    if stat >= chi2_critical(df):
+        failures.append(f"distribution: chi-square {stat:.1f} on {df} df")
+    p, q = logits_to_probs(lp[0], SETTLE_SAMPLING), logits_to_probs(lq[0], SETTLE_SAMPLING)
+    want = 1 - 0.5 * float((p - q).abs().sum())
+    rate = first_accepted / SETTLE_TRIALS
+    if abs(rate - want) >= 4 * math.sqrt(want * (1 - want) / SETTLE_TRIALS):
+        failures.append(f"acceptance: {rate:.3f}, 1 - TV is {want:.3f}")
+    return failures
+
+
+def test_sampled_drafts_keep_the_targets_distribution_and_accept_one_minus_tv():
+    assert sampled_rule_failures() == []
+    # q this close to p: drafting q's argmax instead would accept p(argmax q), far less
+    lp, lq = markov_case()
+    p, q = logits_to_probs(lp[0], SETTLE_SAMPLING), logits_to_probs(lq[0], SETTLE_SAMPLING)
+    assert 1 - 0.5 * float((p - q).abs().sum()) > float(p[q.argmax()]) + 0.1
+
+
+def point_mass_rule(drafts, p, q, noise):
+    """A wrong rule for sampled drafts: q ignored, each draft taken for a point mass (the rule of top-k drafts).
+    It keeps the target's distribution (a sample of p compared with the draft) but accepts only sum(p q)."""
+    from engine.sampling import speculative_choices
+
+    return speculative_choices(drafts, p, torch.nn.functional.one_hot(drafts, p.shape[1]).float(), noise)
+
+
+@pytest.mark.parametrize("fault,caught_by", [("residual is p", "distribution"), ("q ignored", "acceptance")])
+def test_the_sampled_draft_test_catches_a_wrong_rule(fault, caught_by, monkeypatch):
+    import engine.runners
+    import engine.sampling
+
+    if fault == "residual is p":  # a rejected draft replaced by a sample of p, not of norm(max(0, p - q))
+        monkeypatch.setattr(engine.sampling, "residual", lambda p, q: p)
+    else:
+        monkeypatch.setattr(engine.runners, "speculative_choices", point_mass_rule)
+    failures = sampled_rule_failures()
+    assert any(f.startswith(caught_by) for f in failures), f"the planted fault went unseen: {failures}"
+
+
 # ---- tree helpers -------------------------------------------------------------------------------------------
 
 def test_tree_selection_is_closed_under_ancestors_even_with_ties():
@@ -466,12 +610,15 @@ def test_cycle_stats_for_baseline_and_speculation():
     assert spec.accept_length > 3 and spec.ms_per_cycle > 0 and spec.draft_ms > 0
 
 
-def test_compiled_draft_steps_and_verify_give_the_same_tokens():
+@pytest.mark.parametrize("topk,n,sure,sampling", [(2, 6, 40.0, SamplingParams()), (1, None, SOFT, SOFT_SAMPLING)],
+                         ids=["tree-greedy", "chain-sampled"])
+def test_compiled_draft_steps_and_verify_give_the_same_tokens(topk, n, sure, sampling):
     t = bigram_target(100.0)
-    d = drafter_for(t, oracle=True, miss=3)
+    d = drafter_for(t, oracle=True, miss=3, sure=sure)
     p = prompts(2)
-    want = [SpecDecoder(t, d, 96, 3, 2, 6).generate(x, 24) for x in p]
-    got = [SpecDecoder(t, d, 96, 3, 2, 6, compile=True).generate(x, 24) for x in p]
+    want = [SpecDecoder(t, d, 96, 3, topk, n).generate(x, 24, sampling, seed=i) for i, x in enumerate(p)]
+    got = [SpecDecoder(t, d, 96, 3, topk, n, compile=True).generate(x, 24, sampling, seed=i)
+           for i, x in enumerate(p)]
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert [r.accept_hist for r in got] == [r.accept_hist for r in want]
     assert sum(sum(r.accept_hist[2:]) for r in want) > 0  # drafts were accepted: the compiled step drafted them
