@@ -424,8 +424,9 @@ def _refresh_docs(root: Path, ran: list[str]) -> None:
 
 @main.command("verify")
 @click.argument("names", nargs=-1)
-@click.option("--profile", help="Only this profile's records; one other than this machine's is reported, not "
-              "re-measured.")
+@click.option("--profile", "profiles", multiple=True, help="Only this profile's records; repeat it for several, "
+              "whose runbooks are then scheduled together (e.g. --profile h200 --profile h200.dsv3). One other than "
+              "this machine's is reported, not re-measured.")
 @click.option("--docs", is_flag=True, help="Also check that numbers in docs/ and README.md match the records.")
 @click.option("--all", "show_all", is_flag=True, help="List every number, not only those re-measured here or in "
               "a failing state.")
@@ -433,14 +434,15 @@ def _refresh_docs(root: Path, ran: list[str]) -> None:
               "re-measured runbooks over, dependencies first: all visible ones, the first N, or these ids. A runbook "
               "that times something has its GPU to itself (with the timing lock: while it times, and two share one); "
               "up to 3 whose numbers are all exact share one.")
-@click.option("--plan", "plan_only", is_flag=True, help="Run nothing: list what would be re-measured, the cell "
+@click.option("--plan", "plan_only", is_flag=True, help="Run nothing: list what would be re-measured, the wall "
               "time of each runbook's recorded run and the estimated wall time on --gpus. With --profile it plans "
-              "for that profile's machine, e.g. an h200 verify from a laptop (--gpus N: N such GPUs).")
+              "for that profile's machine, e.g. an h200 verify from a laptop (--gpus N: N such GPUs); with several, "
+              "their runbooks in one schedule, as the verify would run them.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (no progress bar).")
 @click.pass_obj
 @click.pass_context
-def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str | None, docs: bool, show_all: bool,
-            gpus: str, plan_only: bool, as_json: bool) -> None:
+def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profiles: tuple[str, ...], docs: bool,
+            show_all: bool, gpus: str, plan_only: bool, as_json: bool) -> None:
     """Re-run what can run here and judge each number against its record: a noisy one (a timing) within its
     tolerance (derived from the recorded samples, at most 25%; outside it, two of three measurements decide, and
     with changed code they are paired with the recorded commit's engine: side by side without GPUs, in turn on a
@@ -448,11 +450,15 @@ def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str |
     root = obj.root
     here = provenance.detect_profile()
     if plan_only:
-        _print_plan(root, provenance.hardware_of(profile) if profile else here, list(names) or None, profile, gpus,
+        machines = {provenance.hardware_of(p) for p in profiles}
+        if len(machines) > 1:
+            raise SpecbookError(f"--plan plans for one machine; these profiles run on {', '.join(sorted(machines))}")
+        _print_plan(root, machines.pop() if machines else here, list(names) or None, list(profiles) or None, gpus,
                     as_json)
         return
     ids = _gpu_ids(gpus)
-    verdicts = verify(root, here, list(names) or None, profile, progress=not as_json, log=_log, gpus=ids)
+    verdicts = verify(root, here, list(names) or None, list(profiles) or None, progress=not as_json, log=_log,
+                      gpus=ids)
     code = exit_code(verdicts)
     problems = [str(p) for p in _check_docs(root)] if docs else []
     if problems and code == 0:
@@ -466,18 +472,18 @@ def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str |
     ctx.exit(code)
 
 
-def _print_plan(root: Path, machine: str, names: list[str] | None, profile: str | None, gpus: str,
+def _print_plan(root: Path, machine: str, names: list[str] | None, profiles: list[str] | None, gpus: str,
                 as_json: bool) -> None:
     """`verify --plan`: the runbooks a verify on `machine` would re-measure and how long that should take."""
     if gpus == "all":  # this machine's GPUs; planning for another profile's machine: one GPU unless told
-        ids = _gpu_ids(gpus) or ([] if profile is None else ["0"])
+        ids = _gpu_ids(gpus) or ([] if profiles is None else ["0"])
     elif gpus.isdigit() and int(gpus) >= 1:
         ids = [str(i) for i in range(int(gpus))]
     else:
         ids = [g.strip() for g in gpus.split(",") if g.strip()]
         if not ids:
             raise SpecbookError(f"--gpus {gpus}: give all, a count or ids")
-    planned, wall, total = plan(root, machine, names, profile, ids)
+    planned, wall, total = plan(root, machine, names, profiles, ids)
     rows = [[x.runbook, x.profile, "shared" if x.shares_gpu else "alone",
              "-" if x.seconds is None else f"{x.seconds / 60:.1f} min" + (" (cells)" if x.timed == "cells" else ""),
              ", ".join(x.after) or "-"] for x in planned]
