@@ -24,8 +24,8 @@
 #   cpu: {shapes: [small, tiny], device: cpu, dtype: float32, prompt_len: 16, new_tokens: 32, repeats: 3,
 #         threads: 1, torch_profile: true, rel_tol: 0.15}
 #   h200: {shapes: [llama-3.1-8b, llama-3.2-1b], device: cuda, dtype: bfloat16, prompt_len: 128, new_tokens: 256,
-#          repeats: 3, sizes: [1, 2, 4, 8, 16, 32, 64], eager_tokens: 32, torch_compile: true, torch_profile: true,
-#          rel_tol: 0.1, long_context: 32768}
+#          repeats: 2, sizes: [1, 8], eager_tokens: 16, torch_compile: true, torch_profile: true, rel_tol: 0.1,
+#          long_context: 32768}
 # timeout: 3600
 # cell_timeout: 2400
 # ```

@@ -24,8 +24,8 @@
 # profiles:
 #   cpu: {shape: deepseek-v3-tiny, device: cpu, dtype: float32, prompt_len: 16, new_tokens: 24, repeats: 3,
 #         max_seq_len: 128, rel_tol: 0.15}
-#   h200: {shape: deepseek-v3-mini, device: cuda, dtype: bfloat16, prompt_len: 128, new_tokens: 128, repeats: 3,
-#          eager_tokens: 32, max_seq_len: 1024, torch_compile: true, torch_profile: true, peer: true, rel_tol: 0.15}
+#   h200: {shape: deepseek-v3-mini, device: cuda, dtype: bfloat16, prompt_len: 128, new_tokens: 128, repeats: 2,
+#          eager_tokens: 16, max_seq_len: 1024, torch_compile: true, torch_profile: true, peer: true, rel_tol: 0.15}
 # timeout: 1800
 # cell_timeout: 1200
 # ```

@@ -2,13 +2,14 @@
 # # What a speculation cycle costs, and the accept length it needs to pay off
 #
 # A speculative cycle is worth it when it emits more tokens than the baseline could decode in the same time:
-# with a cycle of C ms and a decode step of D ms, the break-even accept length is C / D. This runbook sweeps the
-# chain length k = 1..`max_steps` (k draft steps, a verify of k + 1 tokens) and a few trees (topk > 1 with a
-# budget of draft tokens), measures draft, verify and bookkeeping per cycle against a baseline decode step, and
-# gives the break-even accept length with the verify forward captured in a CUDA graph, and for `eager_configs` (the
-# game plan's 2-step chain, SGLang's 7-step one) with it run eagerly. With `torch_compile` (h200) the decode step and
-# the `chain_steps` chain also run through torch.compile inside their graphs; the chain's phases and the speedup it
-# projects at `accept_length` tokens per cycle (SGLang's H200 MT-bench accept length) are recorded both ways.
+# with a cycle of C ms and a decode step of D ms, the break-even accept length is C / D. This runbook measures
+# chains of k draft steps (a verify of k + 1 tokens; the lengths in `chains`, else k = 1..`max_steps`) and a few
+# trees (topk > 1 with a budget of draft tokens): draft, verify and bookkeeping per cycle against a baseline decode
+# step, and the break-even accept length with the verify forward captured in a CUDA graph, and for `eager_configs`
+# (the game plan's 2-step chain, SGLang's 7-step one) with it run eagerly. With `torch_compile` (h200) the decode
+# step and the `chain_steps` chain also run through torch.compile inside their graphs; the chain's phases and the
+# speedup it projects at `accept_length` tokens per cycle (SGLang's H200 MT-bench accept length) are recorded both
+# ways.
 #
 # The game plan's regression in these terms: an eager verify made its 2-step cycle cost ~30 ms, far above what an
 # accept length of 2-3 could pay for. Drafter and target are random weights of `shape` (speed does not depend on
@@ -22,9 +23,9 @@
 # profiles:
 #   cpu: {shape: tiny, device: cpu, dtype: float32, max_steps: 8, trees: [[3, 2, 6], [4, 4, 12]], prompt_len: 16,
 #         new_tokens: 32, repeats: 3, rel_tol: 0.15}
-#   h200: {shape: llama-3.1-8b, device: cuda, dtype: bfloat16, max_steps: 8,
-#          trees: [[4, 4, 16], [6, 4, 32], [7, 8, 64]], prompt_len: 128, new_tokens: 64, eager_tokens: 16,
-#          repeats: 2, torch_compile: true, rel_tol: 0.15}
+#   h200: {shape: llama-3.1-8b, device: cuda, dtype: bfloat16, chains: [2, 7], trees: [[7, 8, 64]],
+#          prompt_len: 128, new_tokens: 64, eager_tokens: 16, repeats: 2, max_seq_len: 384, torch_compile: true,
+#          rel_tol: 0.15}
 # timeout: 3600
 # cell_timeout: 3000
 # ```
@@ -33,7 +34,8 @@
 shape = "tiny"
 device = "cpu"
 dtype = "float32"
-max_steps = 8  # chains of 1 to max_steps draft steps
+max_steps = 8  # chains of 1 to max_steps draft steps, unless `chains` names the lengths
+chains = []  # the chain lengths k measured (empty: 1..max_steps): those the docs compare, on a lease's clock
 trees = [[3, 2, 6], [4, 4, 12]]  # [steps, topk, draft_tokens] of each tree
 prompt_len = 16
 new_tokens = 32
@@ -44,7 +46,8 @@ chain_steps = 7  # the chain whose phases and projected speedup are recorded (SG
 accept_length = 3.86  # tokens per cycle of the projection: SGLang's H200 MT-bench accept length for that chain
 torch_compile = False  # also the decode step and the chain_steps chain through torch.compile inside their graphs
 repeats = 3
-max_seq_len = 512
+max_seq_len = 512  # KV-cache length; at baseline-decode's (h200: 384) inductor's on-disk cache can serve the decode
+# step's compile from that runbook's
 seed = 0
 cpu_threads = 1  # torch threads on CPU: small models on shared cores run fastest on one
 rel_tol = 0.15  # floor of the timings' relative tolerance (specbook.record derives it from the samples)
@@ -75,10 +78,12 @@ step_ms = cycle_stats(TargetDecoder(tgt, max_seq_len, cuda_graphs=graphs), promp
 print(f"{shape} on {dev} {dtype}: baseline decode step {step_ms:.2f} ms")
 
 # %%
-configs = [(f"k{k}", k, 1, k + 1) for k in range(1, max_steps + 1)]
+ks = sorted(chains) or list(range(1, max_steps + 1))
+configs = [(f"k{k}", k, 1, k + 1) for k in ks]
 configs += [(f"tree{k}x{K}n{n}", k, K, n) for k, K, n in trees]
 if unknown := sorted((set(eager_configs) | {f"k{chain_steps}"}) - {c[0] for c in configs}):
-    raise ValueError(f"{unknown}: not among the measured configurations (eager_configs, chain_steps, max_steps)")
+    raise ValueError(f"{unknown}: not among the measured configurations (eager_configs, chain_steps, chains or "
+                     "max_steps)")
 rows = {}
 
 
@@ -111,10 +116,9 @@ if compiled:
 # %%
 import matplotlib.pyplot as plt
 
-ks = list(range(1, max_steps + 1))
 fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
 a1.plot(ks, [breakeven(rows[f"k{k}", "graph"].ms_per_cycle, step_ms) for k in ks], "-o", label="chain, graph verify")
-for name, k, K, n in configs[max_steps:]:
+for name, k, K, n in configs[len(ks):]:
     a1.plot([k], [breakeven(rows[name, "graph"].ms_per_cycle, step_ms)], "^", label=f"tree topk {K}, {n} tokens")
 for name, k, K, n in configs:
     if (name, "eager") in rows:

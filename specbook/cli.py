@@ -537,8 +537,9 @@ def _refresh_docs(root: Path, ran: list[str]) -> None:
 
 @main.command("verify")
 @click.argument("names", nargs=-1)
-@click.option("--profile", help="Only this profile's records; one other than this machine's is reported, not "
-              "re-measured.")
+@click.option("--profile", "profiles", multiple=True, help="Only this profile's records; repeat it for several, "
+              "whose runbooks are then scheduled together (e.g. --profile h200 --profile h200.dsv3). One other than "
+              "this machine's is reported, not re-measured.")
 @click.option("--docs", is_flag=True, help="Also check that numbers in docs/ and README.md match the records.")
 @click.option("--all", "show_all", is_flag=True, help="List every number, not only those re-measured here or in "
               "a failing state.")
@@ -546,17 +547,18 @@ def _refresh_docs(root: Path, ran: list[str]) -> None:
               "re-measured runbooks over, dependencies first: all visible ones, the first N, or these ids. A runbook "
               "that times something has its GPU to itself (with the timing lock: while it times, and two share one); "
               "up to 3 whose numbers are all exact share one.")
-@click.option("--plan", "plan_only", is_flag=True, help="Run nothing: list what would be re-measured, the cell "
+@click.option("--plan", "plan_only", is_flag=True, help="Run nothing: list what would be re-measured, the wall "
               "time of each runbook's recorded run and the estimated wall time on --gpus. With --profile it plans "
-              "for that profile's machine, e.g. an h200 verify from a laptop (--gpus N: N such GPUs).")
+              "for that profile's machine, e.g. an h200 verify from a laptop (--gpus N: N such GPUs); with several, "
+              "their runbooks in one schedule, as the verify would run them.")
 @click.option("--save", is_flag=True, help="Write each re-measured number's verdict (state, date, machine, commit) "
               "into baselines/verified/verdicts.yaml, which the status page shows as 'last verified': commit it. "
               "Without it a verify changes no tracked file.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (no progress bar).")
 @click.pass_obj
 @click.pass_context
-def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str | None, docs: bool, show_all: bool,
-            gpus: str, plan_only: bool, save: bool, as_json: bool) -> None:
+def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profiles: tuple[str, ...], docs: bool,
+            show_all: bool, gpus: str, plan_only: bool, save: bool, as_json: bool) -> None:
     """Re-run what can run here and judge each number against its record: a noisy one (a timing) within its
     tolerance (derived from the recorded samples, at most 25%; outside it, two of three measurements decide, and
     with changed code they are paired with the recorded commit's engine: side by side without GPUs, in turn on a
@@ -564,12 +566,16 @@ def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str |
     root = obj.root
     here = provenance.detect_profile()
     if plan_only:
-        _print_plan(root, provenance.hardware_of(profile) if profile else here, list(names) or None, profile, gpus,
+        machines = {provenance.hardware_of(p) for p in profiles}
+        if len(machines) > 1:
+            raise SpecbookError(f"--plan plans for one machine; these profiles run on {', '.join(sorted(machines))}")
+        _print_plan(root, machines.pop() if machines else here, list(names) or None, list(profiles) or None, gpus,
                     as_json)
         return
     ids = _gpu_ids(gpus)
-    _announce_verify(root, here, list(names) or None, profile, ids)
-    verdicts = verify(root, here, list(names) or None, profile, progress=not as_json, log=_log, gpus=ids)
+    _announce_verify(root, here, list(names) or None, list(profiles) or None, ids)
+    verdicts = verify(root, here, list(names) or None, list(profiles) or None, progress=not as_json, log=_log,
+                      gpus=ids)
     code = exit_code(verdicts)
     if save:
         from specbook import verified
@@ -590,10 +596,11 @@ def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profile: str |
     ctx.exit(code)
 
 
-def _announce_verify(root: Path, here: str, names: list[str] | None, profile: str | None, ids: list[str]) -> None:
+def _announce_verify(root: Path, here: str, names: list[str] | None, profiles: list[str] | None,
+                     ids: list[str]) -> None:
     """Before a verify runs anything, as `run` does: which runbooks on which profiles it will re-measure (the
     variants of this machine's profile too), the dependencies it must build first, and `--plan`'s estimate."""
-    planned, wall, _ = plan(root, here, names, profile, ids)
+    planned, wall, _ = plan(root, here, names, profiles, ids)
     if not planned:
         return
     keys = {(x.runbook, x.profile) for x in planned}
@@ -606,14 +613,14 @@ def _announce_verify(root: Path, here: str, names: list[str] | None, profile: st
                 except SpecbookError:  # a malformed record: its own verify names it; here it only adds no time
                     prof = {}
                 builds[(dep.rb.name, dep.profile)] = recorded_seconds(root, dep.rb.name, dep.profile, prof)[0] or 0
-    profiles = sorted({x.profile for x in planned})
+    seen = sorted({x.profile for x in planned})
     line = "will verify: " + ", ".join(f"{x.runbook} ({x.profile})" for x in planned)
     if builds:
         line += "; first builds (not cached): " + ", ".join(f"{n} ({p})" for n, p in builds)
     line += f"; estimated {(wall + sum(builds.values())) / 60:.1f} min from the recorded runs (`runbook verify " \
             f"--plan` times each re-measured one)"
-    if len(profiles) > 1 and profile is None:
-        line += f"; `--profile {profiles[0]}` verifies one profile of {', '.join(profiles)}"
+    if len(seen) > 1 and not profiles:
+        line += f"; `--profile {seen[0]}` verifies one profile of {', '.join(seen)}"
     _log(line)
 
 
@@ -626,18 +633,18 @@ def _missing_upstream(t: Target) -> list[Target]:
     return out
 
 
-def _print_plan(root: Path, machine: str, names: list[str] | None, profile: str | None, gpus: str,
+def _print_plan(root: Path, machine: str, names: list[str] | None, profiles: list[str] | None, gpus: str,
                 as_json: bool) -> None:
     """`verify --plan`: the runbooks a verify on `machine` would re-measure and how long that should take."""
     if gpus == "all":  # this machine's GPUs; planning for another profile's machine: one GPU unless told
-        ids = _gpu_ids(gpus) or ([] if profile is None else ["0"])
+        ids = _gpu_ids(gpus) or ([] if profiles is None else ["0"])
     elif gpus.isdigit() and int(gpus) >= 1:
         ids = [str(i) for i in range(int(gpus))]
     else:
         ids = [g.strip() for g in gpus.split(",") if g.strip()]
         if not ids:
             raise SpecbookError(f"--gpus {gpus}: give all, a count or ids")
-    planned, wall, total = plan(root, machine, names, profile, ids)
+    planned, wall, total = plan(root, machine, names, profiles, ids)
     rows = [[x.runbook, x.profile, "shared" if x.shares_gpu else "alone",
              "-" if x.seconds is None else f"{x.seconds / 60:.1f} min" + (" (cells)" if x.timed == "cells" else ""),
              ", ".join(x.after) or "-"] for x in planned]

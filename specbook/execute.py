@@ -407,7 +407,16 @@ def _execute_target(root: Path, t: Target, *, record: bool, progress: bool, log,
     atomic_write(t.outputs_dir / DONE, (json.dumps({"run": run_id, "date": now_iso()}) + "\n").encode())
     shutil.rmtree(work)
     ran.add(t.rb.name)
+    log(done_line(f"{t.rb.name}/{t.profile}", seconds, kept))
     return Outcome(t, ex, run_id, kept, seconds)
+
+
+def done_line(key: str, seconds: float, notebook: Path) -> str:
+    """One line as a run ends, where its wall time went (scripts/gpu-runbooks.sh tabulates these): `done KEY in S s
+    (kernel start K s, cells C s)`; the rest of S is the process start, the hashes and the record."""
+    kernel, cells = kernel_start_seconds(notebook), notebook_seconds(notebook)
+    split = f" (kernel start {kernel:.0f} s, cells {cells:.0f} s)" if kernel is not None and cells is not None else ""
+    return f"done {key} in {seconds:.0f} s{split}"
 
 
 _locks: dict[Path, filelock.FileLock] = {}

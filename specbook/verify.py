@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import tarfile
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -224,14 +225,15 @@ def index(root: Path, here: str | None = None) -> dict[str, Verdict]:
 # ------------------------------------------------------------------------------------------------ re-measuring
 
 
-def verify(root: Path, here: str, names: list[str] | None = None, profile: str | None = None,
+def verify(root: Path, here: str, names: list[str] | None = None, profile: str | Sequence[str] | None = None,
            progress: bool = True, log: Callable[[str], None] = print, gpus: list[str] | None = None) -> list[Verdict]:
-    """Re-run every runbook with measured numbers on this machine's profiles and judge; report the others. With
-    more than one of `gpus`, the runbooks are spread over them (see specbook.parallel)."""
+    """Re-run every runbook with measured numbers on this machine's profiles (or on `profile`: one or several) and
+    judge; report the others. With more than one of `gpus`, or one that runbooks can share, the runbooks of every
+    chosen profile are spread over them in one schedule (see specbook.parallel)."""
     groups = _groups(root, here, names, profile)
     todo = [g for g in groups if isinstance(g, tuple)]
     if gpus and len(todo) > 1 and (len(gpus) > 1 or _share_one_gpu(root, [_times(prof) for _, _, prof, _ in todo])):
-        judged = _rerun_parallel(root, todo, gpus, log)
+        judged = _rerun_parallel(root, by_profile(todo, profile), gpus, log)
     else:
         judged = {(n, p): _rerun(root, n, p, prof, static, progress, log)
                   for n, p, prof, static in dependencies_first(root, todo)}
@@ -268,25 +270,42 @@ def dependencies_first(root: Path, todo: list[tuple[str, str, dict, list[Verdict
     return out
 
 
-def _groups(root: Path, here: str, names: list[str] | None, profile: str | None) -> list[Group]:
+def _groups(root: Path, here: str, names: list[str] | None, profile: str | Sequence[str] | None) -> list[Group]:
     """Per runbook and profile: its verdicts when nothing there can be re-measured here, else what to re-run."""
-    if profile is not None:
-        check_profile(root, profile)
+    chosen = chosen_profiles(profile)
+    for p in chosen or ():
+        check_profile(root, p)
     groups: list[Group] = []
     cache: dict = {}
     for name in _names(root, names):
         rf = records.load(records.path_for(root, name))
         for pname, prof in rf.data["profiles"].items():
-            if profile is not None and pname != profile:
+            if chosen is not None and pname not in chosen:
                 continue
             static = _static(root, name, pname, prof, here, cache)
             if not any(v.here for v in static) or all(v.state == FAILED for v in static):
                 groups.append(static)
             else:
                 groups.append((name, pname, prof, static))
-        if not rf.data["profiles"] and profile in (None, here):
+        if not rf.data["profiles"] and (chosen is None or here in chosen):
             groups.append([Verdict(name, here, "-", UNRECORDED)])
     return groups
+
+
+def by_profile(todo: list[tuple[str, str, dict, list[Verdict]]], profile: str | Sequence[str] | None) \
+        -> list[tuple[str, str, dict, list[Verdict]]]:
+    """The runbooks to re-measure profile by profile (in the order named, else by name), as `runbook record
+    --profile A --profile B` lists them: the scheduler starts runbooks it ranks alike in this order, so a verify
+    runs them as the record did whose wall times `plan` adds up."""
+    order = chosen_profiles(profile) or sorted({g[1] for g in todo})
+    return sorted(todo, key=lambda g: order.index(g[1]))
+
+
+def chosen_profiles(profile: str | Sequence[str] | None) -> list[str] | None:
+    """The profiles a command names (`--profile`, repeatable), in order without repeats; None: it names none."""
+    if profile is None:
+        return None
+    return list(dict.fromkeys([profile] if isinstance(profile, str) else profile)) or None
 
 
 @dataclass
@@ -310,12 +329,13 @@ def recorded_seconds(root: Path, name: str, profile: str, prof: dict) -> tuple[f
     return cells, "none" if cells is None else "cells"
 
 
-def plan(root: Path, here: str, names: list[str] | None = None, profile: str | None = None,
+def plan(root: Path, here: str, names: list[str] | None = None, profile: str | Sequence[str] | None = None,
          gpus: list[str] | None = None) -> tuple[list[Planned], float, float]:
-    """What `verify` would re-measure here, without running anything: the runbooks, each with the time its
-    recorded run took (recorded_seconds), then the estimated wall seconds on `gpus` (the scheduler simulated,
-    runbooks sharing a GPU taken as not slowing each other) and the plain sum (one after another)."""
-    todo = [g for g in _groups(root, here, names, profile) if isinstance(g, tuple)]
+    """What `verify` would re-measure here, without running anything: the runbooks (of every profile in `profile`
+    at once, as one verify schedules them), each with the time its recorded run took (recorded_seconds), then the
+    estimated wall seconds on `gpus` (the scheduler simulated, runbooks sharing a GPU taken as not slowing each
+    other) and the plain sum (one after another)."""
+    todo = by_profile([g for g in _groups(root, here, names, profile) if isinstance(g, tuple)], profile)
     keys = {(n, p) for n, p, _, _ in todo}
     out = []
     for n, p, prof, _ in todo:

@@ -22,6 +22,12 @@ case "$1" in
   sleep) sleep "$2" ;;
   fail) exit "$2" ;;
   record) echo "$2" > "baselines/$2.yaml" ;;
+  verify)  # the lines a verify on one GPU logs as its runbooks start and end, then one still running
+    echo "[0] a/h200: started" >&2
+    echo "[gpu 0] done a/h200 in 12 s (kernel start 1 s, cells 9 s)" >&2
+    echo "[0] a/h200: finished in 13 s (exit 0)" >&2
+    echo "[0] b/h200: started" >&2
+    sleep "$2" ;;
 esac
 """
 
@@ -93,3 +99,34 @@ def test_fresh_removes_what_earlier_runs_left_and_only_then(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert [f for f in left if f.exists()] == [] and kept.exists()
     assert "FRESH=1: removed" in r.stdout
+
+
+ROW = r"{key}\s+\d\d:\d\d:\d\d\s+{end}\s+{wall}\s+{runs}\s+{kernel}\s+{cells}\s+{code}"
+
+
+def test_the_log_ends_with_where_each_runbooks_time_went(tmp_path):
+    root, env = tree(tmp_path)
+    r = subprocess.run(["bash", "scripts/gpu-runbooks.sh", "verify 0"], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    table = r.stdout.split("== where the time went")[1]
+    assert re.search(ROW.format(key="a/h200", end=r"\d\d:\d\d:\d\d", wall=13, runs=1, kernel=1, cells=9, code=0),
+                     table), table
+    assert re.search(ROW.format(key="b/h200", end="running", wall="-", runs=0, kernel="-", cells="-", code="-"),
+                     table), table
+    assert table.strip() in (root / "logs" / "summary.txt").read_text()  # packed with the logs
+
+
+def test_a_cut_run_says_which_runbooks_were_still_running(tmp_path):
+    root, env = tree(tmp_path)
+    p = subprocess.Popen(["bash", "scripts/gpu-runbooks.sh", "verify 30"], cwd=root, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    log = tmp_path / "out" / "gpu0.log"
+    deadline = time.monotonic() + 30
+    while not (log.exists() and "b/h200: started" in log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    os.killpg(p.pid, signal.SIGTERM)
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 124
+    assert re.search(ROW.format(key="b/h200", end="running", wall="-", runs=0, kernel="-", cells="-", code="-"), out)
+    assert "logs/summary.txt" in members(tmp_path)

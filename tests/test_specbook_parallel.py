@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from specbook.parallel import Job, chain_lengths, estimate, schedule
@@ -309,3 +310,27 @@ def test_one_gpu_spreads_an_exact_and_a_timing_runbook_only_with_the_timing_lock
     vs = verify(root, "cpu", progress=False, log=lines.append, gpus=["0"])
     assert [v.state for v in vs] == [FRESH, FRESH]
     assert any("re-measuring 2 runbooks on 1 GPU(s)" in line for line in lines)
+
+
+def test_verify_plan_of_two_profiles_schedules_them_together(tmp_path):
+    """`--plan --profile cpu --profile cpu.v` plans one verify of both variants on one GPU, as `runbook record
+    --profile cpu --profile cpu.v` runs them (profile by profile): two runbooks that time something take their turns,
+    so the estimate is both wall times, where each profile planned alone shows one; a machine's profiles only."""
+    import json
+
+    two = "{cpu: {}, cpu.v: {value: 2.0}}"
+    root = make_repo(tmp_path, one=runbook_text(profiles=two), two=runbook_text(profiles=two),
+                     gpu=runbook_text(profiles="{h200: {}}"))
+    for name in ("one", "two"):
+        for p in ("cpu", "cpu.v"):
+            assert cli(root, "run", name, "--record", "--profile", p).exit_code == 0
+    r = cli(root, "verify", "--plan", "--profile", "cpu.v", "--profile", "cpu", "--gpus", "1", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert [(x["runbook"], x["profile"]) for x in d["plan"]] == [("one", "cpu.v"), ("two", "cpu.v"), ("one", "cpu"),
+                                                                  ("two", "cpu")]
+    assert d["estimate_s"] == pytest.approx(d["sum_s"]) and d["sum_s"] == sum(x["seconds"] for x in d["plan"])
+    alone = json.loads(cli(root, "verify", "--plan", "--profile", "cpu", "--gpus", "1", "--json").stdout)
+    assert d["estimate_s"] > alone["estimate_s"] > 0
+    r = cli(root, "verify", "--plan", "--profile", "cpu", "--profile", "h200")
+    assert r.exit_code == 2 and "cpu, h200" in r.stderr

@@ -2,6 +2,7 @@
 pinned to GPUs (run here on the CPU with pretend GPU ids), then docs refreshed once."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -57,14 +58,21 @@ def test_record_runs_in_order_records_each_once_and_refreshes_docs(repo):
     assert r.exit_code == 0, r.stderr
     done = json.loads(r.stdout)
     assert [d["runbook"] for d in done] == ["up", "down"] and all(d["run_id"] for d in done)
+    assert [m.group(1) for m in re.finditer(DONE.format(r"(\w+)"), r.stderr)] == ["up", "down"]
     assert (repo / LOG).read_text().split() == ["up", "down"]  # down found up recorded and did not run it again
     assert baseline(repo, "down")["profiles"]["cpu"]["metrics"]["x"]["run"] == done[1]["run_id"]
     assert "2.0<!-- /claim -->" in (repo / "docs" / "p.md").read_text()
 
 
+DONE = r"done {}/cpu in \d+ s \(kernel start \d+ s, cells \d+ s\)"  # a run's wall time and where it went
+
+
 def test_children_on_gpus_record_every_runbook(repo):
-    got = record_all(repo, jobs(repo, "cpu"), ["0", "1"], log=lambda _: None)
+    lines: list[str] = []
+    got = record_all(repo, jobs(repo, "cpu"), ["0", "1"], log=lines.append)
     assert sorted(r.runbook for r in got if r.run_id) == ["down", "up"]
+    for name in ("up", "down"):  # each child's line, relayed with its GPU as it finished
+        assert sum(bool(re.fullmatch(r"\[gpu \d\] " + DONE.format(name), line)) for line in lines) == 1, lines
     ids = {r.runbook: r.run_id for r in got}
     assert {n: baseline(repo, n)["profiles"]["cpu"]["metrics"]["x"]["run"] for n in ids} == ids
     assert (repo / LOG).read_text().split() == ["up", "down"]
