@@ -113,7 +113,8 @@ class SpecDecoder:
     @torch.no_grad()
     def _prepare(self, sampling: SamplingParams) -> None:
         """Caches and graphs (captured once per cache allocation; verify, and a sampled chain's draft phase, once per
-        sampling setting). The draft phase is captured first: its warm-ups leave start at 0, where the verify warm-ups then write."""
+        sampling setting). The draft phase is captured first: its warm-ups leave start at 0, where the verify
+        warm-ups then write."""
         self._fit_caches()
         if not self.draft.captured:
             self.compact = CompactRunner(self.target, self.shape, self.cuda_graphs)
