@@ -176,9 +176,13 @@ class DraftRunner:
         if any(key[2] == mode for key in self.calls):
             return
         st = self.state
-        compiled = {"extend": maybe_compile(lambda feats, tokens, count: self.extend(feats, tokens, count, mode),
-                                            self.compile),
-                    "step": maybe_compile(lambda **inputs: self._draft_step(mode, **inputs), self.compile)}
+        def extend(feats: torch.Tensor, tokens: torch.Tensor, count: torch.Tensor) -> None:
+            self.extend(feats, tokens, count, mode)
+
+        def draft_step(**inputs: torch.Tensor) -> torch.Tensor:
+            return self._draft_step(mode, **inputs)
+
+        compiled = {"extend": maybe_compile(extend, self.compile), "step": maybe_compile(draft_step, self.compile)}
         if self.pool is None and enabled and self.device.type == "cuda":
             self.pool = torch.cuda.graph_pool_handle()
         for n in sorted(trees, reverse=True):
