@@ -15,9 +15,10 @@ from engine.errors import EngineError
 from engine.loading import random_model
 from engine.metrics import kept_share
 from engine.train import corpus
+from engine.train.drafter import train_drafter, training_sequences
 from engine.train.drift import (layer_cosines, linear_fit, next_token_kl, probe_similarity, samples_to_recover,
                                 weight_distance)
-from engine.train.presets import CPU, TargetRun, target_config
+from engine.train.presets import CPU, DrafterRun, TargetRun, target_config
 from engine.train.target import snapshot_dir, train_target
 from engine.train.tokenizer import save_tokenizer, train_tokenizer
 from specbook.runbooks import load
@@ -73,6 +74,25 @@ def test_linear_fit_recovers_a_known_line_and_its_error():
     assert fit.se(10.0) > fit.se(3.0) > fit.se(1.5)  # wider away from the data
     assert fit(2.5) == pytest.approx(6.0)
     assert fit.solve(6.0) == pytest.approx(2.5)
+
+
+def test_the_band_around_a_solution_is_where_the_line_is_k_errors_from_the_goal():
+    fit = linear_fit([0.0, 1.0, 2.0, 3.0], [1.1, 2.9, 4.9, 7.1])
+    lo, hi = fit.solve_band(6.0, k=2.0)
+    assert lo < fit.solve(6.0) < hi
+    for x in (lo, hi):
+        assert abs(fit(x) - 6.0) == pytest.approx(2.0 * fit.se(x))
+    assert fit.solve_band(6.0, k=1.0)[1] - fit.solve_band(6.0, k=1.0)[0] < hi - lo  # narrower at fewer errors
+    # a slope within its errors of flat: the goal could be reached anywhere
+    noisy = linear_fit([0.0, 1.0, 2.0, 3.0], [1.0, 3.0, 0.0, 2.0])
+    assert noisy.solve_band(1.5, k=1.0) is None
+
+
+def test_a_fit_is_rebuilt_from_its_recorded_fields():
+    fit = linear_fit([0.9, 0.8, 0.7], [0.95, 0.6, 0.3])
+    again = type(fit)(**{k: float(v) for k, v in dataclasses.asdict(fit).items()})
+    assert again(0.85) == pytest.approx(fit(0.85)) and again.se(0.5) == pytest.approx(fit.se(0.5))
+    assert (again.x_min, again.x_max) == (0.7, 0.9)
 
 
 def test_linear_fit_agrees_with_numpy():
@@ -193,6 +213,24 @@ def test_snapshot_steps_outside_the_run_and_lost_snapshots_are_refused(tok_dir, 
     (r.snapshots[1] / "model.safetensors").unlink()
     with pytest.raises(EngineError, match="gone"):
         train_target(tmp_path / "t", run, tok, tiny_config(vocab), snapshots=[1])
+
+
+def test_a_drafter_on_sequences_made_once_trains_as_on_its_own(tok_dir, tmp_path):
+    """A fine-tune and a drafter from scratch share one regeneration (training_sequences, train_drafter(seqs=)):
+    the same training as a drafter that regenerates its samples itself."""
+    tok, vocab = tok_dir
+    tgt = train_target(tmp_path / "t", TargetRun(mix="A", steps=2, lr=1e-2, warmup=1, batch_size=4, seq_len=16,
+                                                  data_bytes=10**9), tok, tiny_config(vocab)).path
+    run = DrafterRun(mix="B", steps=3, lr=3e-3, warmup=1, batch_size=4, seq_len=16, data_bytes=10**9,
+                     draft_vocab_size=100, samples=8, regen_tokens=6, regen_batch=4, ttt_steps=2)
+    seqs = training_sequences(tgt, run)
+    own = train_drafter(tmp_path / "own", run, tgt)
+    given = train_drafter(tmp_path / "given", run, tgt, seqs=seqs)
+    assert own.log.history["loss"] == given.log.history["loss"]
+    assert all(torch.equal(v, load_file(given.path / "model.safetensors")[k])
+               for k, v in load_file(own.path / "model.safetensors").items())
+    with pytest.raises(EngineError, match="shape"):
+        train_drafter(tmp_path / "short", run, tgt, seqs=seqs[:4])
 
 
 # ---- the runbook ----------------------------------------------------------------------------------------------

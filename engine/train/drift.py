@@ -105,7 +105,9 @@ def samples_to_recover(counts: Sequence[float], accepts: Sequence[float], goal: 
 @dataclass(frozen=True)
 class LinearFit:
     """y = intercept + slope * x by least squares, with what its standard errors need: the residual standard
-    deviation (n - 2 degrees of freedom), the mean of x and the sum of squares of x about it."""
+    deviation (n - 2 degrees of freedom), the mean of x and the sum of squares of x about it; and the range of x it
+    was fitted on (beyond it, the line is extrapolated). Its fields are plain numbers, so that a recorded fit is
+    rebuilt from its record: LinearFit(**values)."""
 
     slope: float
     intercept: float
@@ -113,6 +115,8 @@ class LinearFit:
     n: int
     x_mean: float
     sxx: float
+    x_min: float
+    x_max: float
 
     def __call__(self, x: float) -> float:
         return self.intercept + self.slope * x
@@ -126,6 +130,19 @@ class LinearFit:
         if self.slope == 0:
             raise EngineError("a flat line reaches no other value")
         return (y - self.intercept) / self.slope
+
+    def solve_band(self, y: float, k: float = 1.0) -> tuple[float, float] | None:
+        """The x range over which y lies within k standard errors of the line (Fieller's interval of solve(y)):
+        the two x where |line(x) - y| = k * se(x). None when the band never leaves y on one side (the slope is
+        within k standard errors of flat): then every x is possible."""
+        # (c + b d)^2 = k^2 s^2 (1/n + d^2 / sxx) with d = x - x_mean, c = line(x_mean) - y, b = slope
+        b, c, ks2 = self.slope, self(self.x_mean) - y, (k * self.resid_std) ** 2
+        qa, qb, qc = b * b - ks2 / self.sxx, 2 * b * c, c * c - ks2 / self.n
+        disc = qb * qb - 4 * qa * qc
+        if qa <= 0 or disc < 0:
+            return None
+        roots = sorted(((-qb - math.sqrt(disc)) / (2 * qa), (-qb + math.sqrt(disc)) / (2 * qa)))
+        return roots[0] + self.x_mean, roots[1] + self.x_mean
 
 
 def linear_fit(x: Sequence[float], y: Sequence[float]) -> LinearFit:
@@ -145,4 +162,4 @@ def linear_fit(x: Sequence[float], y: Sequence[float]) -> LinearFit:
     slope = sum((a - xm) * (b - ym) for a, b in zip(x, y)) / sxx
     intercept = ym - slope * xm
     rss = sum((b - intercept - slope * a) ** 2 for a, b in zip(x, y))
-    return LinearFit(slope, intercept, math.sqrt(rss / (n - 2)), n, xm, sxx)
+    return LinearFit(slope, intercept, math.sqrt(rss / (n - 2)), n, xm, sxx, min(x), max(x))
