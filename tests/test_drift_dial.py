@@ -16,8 +16,8 @@ from engine.loading import random_model
 from engine.metrics import kept_share
 from engine.train import corpus
 from engine.train.drafter import train_drafter, training_sequences
-from engine.train.drift import (layer_cosines, linear_fit, next_token_kl, probe_similarity, samples_to_recover,
-                                weight_distance)
+from engine.train.drift import (layer_cosines, linear_fit, next_token_kl, on_the_dial, probe_similarity,
+                                samples_to_recover, weight_distance)
 from engine.train.presets import CPU, DrafterRun, TargetRun, target_config
 from engine.train.target import snapshot_dir, train_target
 from engine.train.tokenizer import save_tokenizer, train_tokenizer
@@ -240,3 +240,20 @@ def test_the_runbooks_header_parses():
     assert {"cpu", "cpu.dsv3", "h200", "h200.dsv3"} <= set(rb.profiles)
     assert rb.depends == ["train-target", "train-drafter"] and rb.inputs == ["corpus"]
     assert {"dials", "sample_counts", "recover_share"} <= set(rb.parameters)
+
+
+# ---- the real reading on the recorded curve --------------------------------------------------------------------
+
+def test_a_reading_is_placed_on_the_recorded_fit_and_its_thresholds():
+    fit = linear_fit([0.95, 0.9, 0.85, 0.8], [0.9, 0.7, 0.5, 0.3])  # kept = 4 * sim - 2.9
+    values = {f"kept_fit.{k}": float(v) for k, v in dataclasses.asdict(fit).items()}
+    values |= {"w_keep": 0.95, "w_keep_lo": 0.94, "w_recover_n128": 0.8, "w_recover_n16": 0.86}
+    lines = on_the_dial(0.875, values, 0.9, kept=0.55)
+    assert "kept share of 0.60" in lines[0] and "inside" in lines[0] and "measured here: 0.55" in lines[0]
+    assert lines[1].startswith("below W = 0.9500") and "unchanged" in lines[1]
+    assert lines[2].startswith("above W = 0.8600") and "16 samples" in lines[2]  # the counts in order
+    assert lines[3].startswith("above W = 0.8000") and "128 samples" in lines[3]
+    assert len(lines) == 5 and lines[-1].startswith("caveat of scale")
+    assert "outside" in on_the_dial(0.5, values, 0.9)[0]
+    with pytest.raises(KeyError):
+        on_the_dial(0.9, {"w_keep": 0.95}, 0.9)  # no fit recorded

@@ -8,8 +8,10 @@ straight-line fits with their standard errors (kept share against probe similari
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -163,3 +165,29 @@ def linear_fit(x: Sequence[float], y: Sequence[float]) -> LinearFit:
     intercept = ym - slope * xm
     rss = sum((b - intercept - slope * a) ** 2 for a, b in zip(x, y))
     return LinearFit(slope, intercept, math.sqrt(rss / (n - 2)), n, xm, sxx, min(x), max(x))
+
+
+SCALE_CAVEAT = ("the dial is a miniature: targets of millions of parameters drifting over tens of steps of Python "
+                "code; the same similarity need not mean the same drift in a larger target trained further on other "
+                "data, so read the prediction as an order of magnitude, against the kept share measured")
+
+
+def on_the_dial(similarity: float, values: Mapping[str, float], share: float, kept: float | None = None
+                ) -> list[str]:
+    """Where a probe reading falls on a drift dial's recorded curves, in words: `values` are the drift-dial
+    record's metrics by name (kept_fit.* rebuilds fit (a); w_keep and w_recover_nN are its thresholds) and `share`
+    its goal (recover_share); `kept`, the kept share measured beside the reading, is set against the prediction."""
+    fit = LinearFit(**{f.name: values[f"kept_fit.{f.name}"] for f in dataclasses.fields(LinearFit)})
+    y, se = fit(similarity), fit.se(similarity)
+    where = "inside" if fit.x_min <= similarity <= fit.x_max else "outside (extrapolated)"
+    lines = [f"a probe similarity of {similarity:.4f} predicts a kept share of {y:.2f} +- {se:.2f} (one standard "
+             f"error), {where} the dial's range {fit.x_min:.4f}..{fit.x_max:.4f}"
+             + ("" if kept is None else f"; measured here: {kept:.2f}")]
+    counts = sorted(int(m[1]) for k in values if (m := re.fullmatch(r"w_recover_n(\d+)", k)))
+    rules = [("w_keep", "the old drafter unchanged")] + [(f"w_recover_n{n}", f"a fine-tune on {n} samples")
+                                                         for n in counts]
+    for key, what in rules:
+        if key in values:
+            side = "above" if similarity >= values[key] else "below"
+            lines.append(f"{side} W = {values[key]:.4f}, the similarity above which {what} keeps {share:.0%}")
+    return lines + [f"caveat of scale: {SCALE_CAVEAT}"]
