@@ -140,9 +140,9 @@ class LinearFit:
         # (c + b d)^2 = k^2 s^2 (1/n + d^2 / sxx) with d = x - x_mean, c = line(x_mean) - y, b = slope
         b, c, ks2 = self.slope, self(self.x_mean) - y, (k * self.resid_std) ** 2
         qa, qb, qc = b * b - ks2 / self.sxx, 2 * b * c, c * c - ks2 / self.n
-        disc = qb * qb - 4 * qa * qc
-        if qa <= 0 or disc < 0:
+        if qa <= 0:
             return None
+        disc = max(qb * qb - 4 * qa * qc, 0.0)  # >= 0 whenever qa > 0; a perfect fit rounds it to either side
         roots = sorted(((-qb - math.sqrt(disc)) / (2 * qa), (-qb + math.sqrt(disc)) / (2 * qa)))
         return roots[0] + self.x_mean, roots[1] + self.x_mean
 
