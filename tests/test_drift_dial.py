@@ -257,3 +257,33 @@ def test_a_reading_is_placed_on_the_recorded_fit_and_its_thresholds():
     assert "outside" in on_the_dial(0.5, values, 0.9)[0]
     with pytest.raises(KeyError):
         on_the_dial(0.9, {"w_keep": 0.95}, 0.9)  # no fit recorded
+
+
+def test_probe_plugin_at_scale_prints_its_reading_on_the_recorded_dial(tmp_path, monkeypatch, capsys):
+    """The end of probe-plugin's real-scale cell, run against a drift-dial record (and against none)."""
+    import textwrap
+    from types import SimpleNamespace
+
+    from specbook.record import make_metric
+    from specbook.records import add_run
+
+    src = (ROOT / "runbooks" / "probe-plugin.py").read_text()
+    start = src.index("    # where the reading falls on drift-dial's recorded fits")
+    snippet = textwrap.dedent(src[start:src.index("\n# %%", start)])
+    scope = dict(sim=SimpleNamespace(aux_mean=0.875), tau={"a": 3.0, "b": 2.1}, kept_share=kept_share, Path=Path)
+    monkeypatch.chdir(tmp_path)
+    exec(snippet, dict(scope))
+    assert "no drift-dial record yet" in capsys.readouterr().out
+
+    fit = linear_fit([0.95, 0.9, 0.85, 0.8], [0.9, 0.7, 0.5, 0.3])
+    values = {f"kept_fit.{k}": float(v) for k, v in dataclasses.asdict(fit).items()} | {"w_keep": 0.95}
+    for profile, share in (("cpu", 0.9), ("h200.dsv3", 0.8)):
+        run = dict(id=f"r-{profile}", source="measured", date="2026-12-05T10:00:00Z", provenance={}, inputs_hash="x",
+                   parameters={"recover_share": share})
+        add_run(tmp_path, "drift-dial", profile, run,
+                [make_metric(k, v, unit="-", direction="none", kind="exact") for k, v in values.items()])
+    exec(snippet, dict(scope))
+    out = capsys.readouterr().out
+    assert out.index("profile h200.dsv3") < out.index("profile cpu")  # the K2 family's curve first
+    assert "kept share of 0.60" in out and "measured here: 0.55" in out and "keeps 80%" in out
+    assert "caveat of scale" in out
