@@ -1,5 +1,5 @@
-"""The derived numbers of speculative decoding, each defined once: accept length, exact match, break-even accept
-length, and the speed a cycle cost projects at a given accept length. Runbooks, benchmarks, the server and the
+"""The derived numbers of speculative decoding, each defined once: accept length, kept share, exact match, break-even
+accept length, and the speed a cycle cost projects at a given accept length. Runbooks, benchmarks, the server and the
 backends' statistics all call these; docs/glossary.md says how the accept length maps to SGLang's and vLLM's.
 """
 from __future__ import annotations
@@ -27,6 +27,14 @@ def accept_length(decode_tokens: float, verify_cycles: float) -> float:
     if not verify_cycles:
         return 0.0
     return decode_tokens / verify_cycles
+
+
+def kept_share(accept: float, accept_before: float) -> float:
+    """The share of a drafter's accepted draft tokens per cycle that survive a change (of target, of data): both
+    accept lengths less their bonus token, (accept - 1) / (accept_before - 1)."""
+    if accept_before <= 1:
+        raise EngineError(f"a kept share of an accept length of {accept_before}: nothing was accepted before")
+    return (accept - 1) / (accept_before - 1)
 
 
 def accept_length_from_hist(hist: Sequence[int]) -> float:

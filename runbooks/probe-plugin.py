@@ -13,8 +13,9 @@
 #
 # Profile `8x-rtx-pro-6000` (`backend=sglang`) runs it at real scale: Kimi-K2 and Kimi-K2.5 under SGLang (TP `tp`),
 # each with the K2 drafter unchanged; accept length per prompt set through the benchmark client, and the hidden
-# states at the drafter's feature layers from SpecForge's offline dump of both targets on the same samples. Its
-# numbers are not verifiable here (no such hardware).
+# states at the drafter's feature layers from SpecForge's offline dump of both targets on the same samples; then it
+# prints where the reading falls on the miniature's curves of `drift-dial` (when recorded). Its numbers are not
+# verifiable here (no such hardware).
 #
 # ```yaml
 # title: Approach C - hidden-state similarity of A and B per layer; drafter A's accept length on B vs on A
@@ -120,8 +121,26 @@ if at_scale:
            description=f"drafter A on target A under SGLang, chain of {chain_steps}, mean over prompt sets")
     record("accept_on_b", tau["b"], unit="tokens/cycle", kind=kind, direction="higher", rel_tol=accept_tol,
            description="drafter A plugged into target B unchanged, same settings and prompts")
-    record("accept_kept", (tau["b"] - 1) / max(tau["a"] - 1, 1e-9), unit="fraction", kind=kind, direction="higher",
+    record("accept_kept", kept_share(tau["b"], tau["a"]), unit="fraction", kind=kind, direction="higher",
            rel_tol=accept_tol, description="share of drafter A's accepted draft tokens per cycle that survive on B")
+
+    # where the reading falls on drift-dial's recorded fits (baselines/drift-dial.yaml, when there is one): the kept
+    # share its line predicts at this similarity and which thresholds the reading passes, the MLA + MoE family's
+    # curves first (K2's and K2.5's family), with the caveat of scale
+    from engine.train.drift import on_the_dial
+    from specbook.records import load as load_record, path_for
+
+    dial = load_record(path_for(Path.cwd(), "drift-dial")).data["profiles"]  # none recorded: no profiles
+    for prof in sorted(dial, key=lambda name: (not name.endswith(".dsv3"), not name.startswith("h200"), name)):
+        values = {name: m["value"] for name, m in dial[prof].get("metrics", {}).items()}
+        if "kept_fit.slope" not in values:
+            continue
+        share = dial[prof]["runs"][-1]["parameters"].get("recover_share", 0.9)
+        print(f"on drift-dial's curve of profile {prof}:")
+        for line in on_the_dial(sim.aux_mean, values, share, kept_share(tau["b"], tau["a"])):
+            print(f"  {line}")
+    if not dial:
+        print("no drift-dial record yet: `runbook run drift-dial --record` on a miniature profile draws the curve")
 
 # %%
 if not at_scale:  # the miniature pair, in this process
@@ -132,7 +151,9 @@ if not at_scale:  # the miniature pair, in this process
 
     from engine.drafter import load_drafter
     from engine.loading import load_model
+    from engine.metrics import kept_share
     from engine.train.drafter import accept_length, check_pair, held_out_prompts
+    from engine.train.drift import layer_cosines, probe_similarity
     from engine.train.layout import DrafterOutputs, TargetOutputs
     from engine.train.presets import get_preset
     from engine.train.tokenizer import load_tokenizer
@@ -158,22 +179,8 @@ if not at_scale:  # the miniature pair, in this process
 
 # %%
 if not at_scale:  # the miniature pair, in this process
-    L = model_a.cfg.num_hidden_layers
-    layers = tuple(range(L + 1))
-
-    @torch.no_grad()
-    def states(model, ids):
-        x = torch.tensor([ids], device=model.device)
-        _, aux = model(x, torch.arange(len(ids), device=model.device), hidden_layers=layers)
-        return aux.float().view(len(ids), L + 1, -1)  # [T, layers, H]
-
-    sums = torch.zeros(L + 1)
-    tokens = 0
-    for ids in prompts:
-        cos_t = torch.nn.functional.cosine_similarity(states(model_a, ids), states(model_b, ids), dim=-1)
-        sums += cos_t.sum(0).cpu()
-        tokens += len(ids)
-    cos = (sums / tokens).tolist()
+    cos = layer_cosines(model_a, model_b, prompts)
+    layers = tuple(range(len(cos)))
     aux_layers = load_drafter(dir_d, model_a).aux_layers
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -200,7 +207,7 @@ if not at_scale:  # the miniature pair, in this process
 
 # %%
 if not at_scale:  # the miniature pair, in this process
-    record("cos_aux_mean", sum(cos[i] for i in aux_layers) / 3, unit="cosine",
+    record("cos_aux_mean", probe_similarity(cos, aux_layers), unit="cosine",
            kind=kind, direction="none", rel_tol=cos_tol,
            description="A-vs-B cosine similarity at the drafter's three feature layers, mean")
     record("cos_min", min(cos), unit="cosine", kind=kind, direction="none", rel_tol=cos_tol,
@@ -209,5 +216,5 @@ if not at_scale:  # the miniature pair, in this process
            description=f"drafter A on target A, greedy chain of {chain_steps}, held-out prompts of mix {mix}")
     record("accept_on_b", tau["B"], unit="tokens/cycle", kind=kind, direction="higher", rel_tol=accept_tol,
            description=f"drafter A plugged into target B unchanged, same prompts")
-    record("accept_kept", (tau["B"] - 1) / max(tau["A"] - 1, 1e-9), unit="fraction", kind=kind, direction="higher",
+    record("accept_kept", kept_share(tau["B"], tau["A"]), unit="fraction", kind=kind, direction="higher",
            rel_tol=accept_tol, description="share of drafter A's accepted draft tokens per cycle that survive on B")

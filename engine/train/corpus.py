@@ -9,8 +9,8 @@ file never depends on which other files exist.
 Two groups of projects: "classic" (long-lived projects written before type hints: networkx, nltk, pygments, twisted,
 docutils) and "typed" (modern type-annotated libraries and applications: mypy, SQLAlchemy 2, pydantic, the OpenAI
 client, textual, ...). Two mixes stand in for the game plan's two targets: mix A (half classic) trains target "A"
-(Kimi-K2), mix B (mostly typed) trains target "B" (Kimi-K2.5) further from A. The held-out prompts for
-accept-length evaluation are windows of test files.
+(Kimi-K2), mix B (mostly typed) trains target "B" (Kimi-K2.5) further from A; mix AB, between the two, is the
+drift dial's change of mixture. The held-out prompts for accept-length evaluation are windows of test files.
 
 Where the archives live: $SPECBOOK_CORPUS_DIR when set (a directory filled elsewhere, for a machine without
 network: `python -m engine train corpus --fetch` fills it), else $SPECBOOK_CACHE/corpus, else
@@ -90,6 +90,8 @@ class Mix:
 MIXES = {
     "A": Mix("A", {"classic": 0.5, "typed": 0.5}, "half classic untyped code: stands for Kimi-K2's training data"),
     "B": Mix("B", {"classic": 0.1, "typed": 0.9}, "shifted to modern typed code: Kimi-K2.5's further training"),
+    "AB": Mix("AB", {"classic": 0.3, "typed": 0.7}, "between A and B: a smaller shift of the same kind (the drift "
+                                                      "dial's change of mixture)"),
 }
 
 

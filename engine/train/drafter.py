@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import tempfile
@@ -228,18 +229,40 @@ def regenerate(target: Transformer, stream: torch.Tensor, run: DrafterRun) -> to
     return torch.cat(out)
 
 
+def _frozen_target(target_dir: Path, dev: torch.device) -> Transformer:
+    """The target as drafter training reads it: bf16 on CUDA, float32 elsewhere, no gradients."""
+    target = load_model(target_dir, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    return target.requires_grad_(False)
+
+
+def training_sequences(target_dir: str | Path, run: DrafterRun, device: str = "cpu") -> torch.Tensor:
+    """The [run.samples, run.seq_len] sequences train_drafter regenerates for `run` with the target in target_dir:
+    made once, they train several drafters on the same samples (train_drafter(seqs=)), e.g. a fine-tune and a
+    drafter from scratch beside it."""
+    target_dir = Path(target_dir)
+    stream = token_stream(load_tokenizer(target_dir), corpus.texts(run.mix, "train", run.data_bytes))
+    return regenerate(_frozen_target(target_dir, torch.device(device)), stream, run)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().cpu().numpy().tobytes()).hexdigest()[:16]
+
+
 def train_drafter(out_dir: str | Path, run: DrafterRun, target_dir: str | Path, init_from: str | Path | None = None,
-                  device: str = "cpu", save_dtype: str = "float32", eval_fn=None, eval_every: int = 0
-                  ) -> DrafterResult:
+                  device: str = "cpu", save_dtype: str = "float32", eval_fn=None, eval_every: int = 0,
+                  seqs: torch.Tensor | None = None) -> DrafterResult:
     """Train a drafter for the target in target_dir (resuming an interrupted run in out_dir) on run.samples
     regenerated sequences. init_from: an existing drafter to fine-tune (approach A); its draft vocabulary is kept.
     eval_fn(drafter, target) -> {name: value} is called every eval_every steps on a copy saved and loaded as
-    published."""
+    published. seqs: the training sequences when already made (training_sequences), instead of regenerating them."""
     out, target_dir = Path(out_dir), Path(target_dir)
     if not (math.isfinite(run.kl_temperature) and run.kl_temperature >= 0):
         raise EngineError(f"kl_temperature must be a finite number >= 0 (0: no KL term), got {run.kl_temperature}")
     if init_from is not None:
         check_pair(target_dir, Path(init_from))
+    if seqs is not None and tuple(seqs.shape) != (run.samples, run.seq_len):
+        raise EngineError(f"training sequences of shape {tuple(seqs.shape)} for a run of {run.samples} samples of "
+                          f"{run.seq_len} tokens")
     tok = load_tokenizer(target_dir)
     run_params = dataclasses.asdict(run)
     if not run.kl_temperature:  # off: the parameters of runs made before the field, whose outputs stay valid
@@ -248,13 +271,15 @@ def train_drafter(out_dir: str | Path, run: DrafterRun, target_dir: str | Path, 
               "tokenizer": tokenizer_hash(target_dir), "corpus": corpus.manifest_hash(),
               "init_from": file_digest(Path(init_from) / "model.safetensors") if init_from else None,
               "save_dtype": save_dtype}
+    if seqs is not None:  # only then, as for kl_temperature: earlier runs' parameters stay as they were
+        params["seqs"] = _digest(seqs)
     dev = torch.device(device)
-    target = load_model(target_dir, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    target.requires_grad_(False)
+    target = _frozen_target(target_dir, dev)
     if (log := loop.read_log(out, params)) is not None and (out / "model.safetensors").is_file():
         return _result(out, log)
 
-    seqs = regenerate(target, token_stream(tok, corpus.texts(run.mix, "train", run.data_bytes)), run)
+    if seqs is None:
+        seqs = regenerate(target, token_stream(tok, corpus.texts(run.mix, "train", run.data_bytes)), run)
     if init_from is not None:
         drafter = load_drafter(init_from, target, device=dev, dtype=torch.float32)
     else:

@@ -168,8 +168,9 @@ StepFn = Callable[[int], tuple[torch.Tensor, dict[str, float]]]  # step -> (loss
 
 def train(run_dir: Path, params: dict[str, Any], model: nn.Module, opt: torch.optim.Optimizer, sched: Schedule,
           step_fn: StepFn, desc: str, eval_fn: Callable[[], dict[str, float]] | None = None,
-          eval_every: int = 0) -> TrainLog:
-    """Run (or resume) sched.steps optimizer steps. The caller saves the model and calls finish()."""
+          eval_every: int = 0, after_step: Callable[[int], None] | None = None) -> TrainLog:
+    """Run (or resume) sched.steps optimizer steps. The caller saves the model and calls finish().
+    after_step(steps done) runs after each step's evaluation and before its checkpoint (e.g. to save a snapshot)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     start, log = _load_state(run_dir, params, model, opt)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -192,6 +193,8 @@ def train(run_dir: Path, params: dict[str, Any], model: nn.Module, opt: torch.op
         done = step + 1
         if eval_fn is not None and eval_every and (done % eval_every == 0 or done == sched.steps):
             log.evals.append({"step": done, **eval_fn()})
+        if after_step is not None:
+            after_step(done)
         if done % sched.ckpt_every == 0 and done < sched.steps:
             save_state(run_dir, done, model, opt, log)
     bar.close()

@@ -7,7 +7,8 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,6 +32,12 @@ class TargetResult:
     final_loss: float  # mean training loss over the last 5% of steps
     val_loss: float
     log: loop.TrainLog
+    snapshots: dict[int, Path] = field(default_factory=dict)  # step -> the model as it was after that step
+
+
+def snapshot_dir(out_dir: str | Path, step: int) -> Path:
+    """Where train_target(..., snapshots=) saves the model as it was after `step` steps: a checkpoint of its own."""
+    return Path(out_dir) / f"step-{step}"
 
 
 def autocast(device: torch.device):
@@ -89,13 +96,18 @@ def check_vocab(cfg: ModelConfig, tokenizer_dir: Path, vocab: int) -> None:
 
 
 def train_target(out_dir: str | Path, run: TargetRun, tokenizer_dir: str | Path, cfg: ModelConfig | None = None,
-                 init_from: str | Path | None = None, device: str = "cpu", save_dtype: str = "float32"
-                 ) -> TargetResult:
+                 init_from: str | Path | None = None, device: str = "cpu", save_dtype: str = "float32",
+                 snapshots: Sequence[int] = ()) -> TargetResult:
     """Train a target into out_dir (resuming an interrupted run there). Either cfg (from scratch) or init_from
-    (an existing checkpoint trained further, as B from A). A finished run with the same inputs is not redone."""
+    (an existing checkpoint trained further, as B from A). A finished run with the same inputs is not redone.
+    snapshots: step counts after which the model is also saved as it is then (snapshot_dir), so that one run gives
+    the targets of several lengths of training (each on the same schedule, that of run.steps)."""
     out, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
     if (cfg is None) == (init_from is None):
         raise EngineError("train a target either from a config or from an existing checkpoint (init_from), not both")
+    snapshots = sorted(set(snapshots))
+    if snapshots and not 0 < snapshots[0] <= snapshots[-1] <= run.steps:
+        raise EngineError(f"snapshot steps must lie in 1..{run.steps} (the run's steps), got {snapshots}")
     tok = load_tokenizer(tokenizer_dir)
     cfg = read_config(init_from) if init_from is not None else cfg
     check_vocab(cfg, tokenizer_dir, tok.get_vocab_size())
@@ -104,8 +116,13 @@ def train_target(out_dir: str | Path, run: TargetRun, tokenizer_dir: str | Path,
     params = {"run": dataclasses.asdict(run), "config": cfg.to_hf(), "tokenizer": tokenizer_hash(tokenizer_dir),
               "corpus": corpus.manifest_hash(), "save_dtype": save_dtype,
               "init_from": file_digest(Path(init_from) / "model.safetensors") if init_from else None}
+    if snapshots:  # only then: the parameters (and so the finished runs) of a run without snapshots stay as they were
+        params["snapshots"] = snapshots
     if (log := loop.read_log(out, params)) is not None and (out / "model.safetensors").is_file():
-        return _result(out, read_config(out), log)
+        if missing := [s for s in snapshots if not (snapshot_dir(out, s) / "model.safetensors").is_file()]:
+            raise EngineError(f"{out} holds a finished run whose snapshot(s) at step(s) {missing} are gone; "
+                              "delete it to train again")
+        return _result(out, read_config(out), log, snapshots)
 
     dev = torch.device(device)
     train_ids = token_stream(tok, corpus.texts(run.mix, "train", run.data_bytes))
@@ -125,20 +142,30 @@ def train_target(out_dir: str | Path, run: TargetRun, tokenizer_dir: str | Path,
         model.train()
         return {"val_loss": loss}
 
+    def save(where: Path) -> None:
+        with loop.disk_errors(where):
+            save_model(model.eval(), where, dtype=resolve_dtype(save_dtype))
+            save_tokenizer(tok, where)
+
+    def after_step(done: int) -> None:
+        if done in snapshots:
+            save(snapshot_dir(out, done))
+            model.train()
+
     sched = loop.Schedule(run.steps, run.lr, run.warmup, run.min_lr_ratio, run.grad_clip, run.ckpt_every)
     desc = f"target {out.name} ({run.mix})"
-    log = loop.train(out, params, model, opt, sched, step_fn, desc, eval_fn, run.eval_every or run.steps)
-    with loop.disk_errors(out):
-        save_model(model.eval(), out, dtype=resolve_dtype(save_dtype))
-        save_tokenizer(tok, out)
+    log = loop.train(out, params, model, opt, sched, step_fn, desc, eval_fn, run.eval_every or run.steps,
+                     after_step if snapshots else None)
+    save(out)
     loop.finish(out, log)
-    return _result(out, model.cfg, log)
+    return _result(out, model.cfg, log, snapshots)
 
 
-def _result(out: Path, cfg: ModelConfig, log: loop.TrainLog) -> TargetResult:
+def _result(out: Path, cfg: ModelConfig, log: loop.TrainLog, snapshots: Sequence[int] = ()) -> TargetResult:
     with torch.device("meta"):
         count = n_params(Transformer(cfg))
-    return TargetResult(out, count, log.final_loss, log.evals[-1]["val_loss"], log)
+    return TargetResult(out, count, log.final_loss, log.evals[-1]["val_loss"], log,
+                        {s: snapshot_dir(out, s) for s in snapshots})
 
 
 def ensure_tokenizer(out_dir: str | Path, vocab_size: int, text_bytes: int) -> Path:
