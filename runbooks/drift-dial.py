@@ -74,6 +74,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
+from matplotlib.ticker import NullFormatter
 
 from engine.drafter import load_drafter
 from engine.loading import load_model
@@ -246,6 +247,7 @@ ax.axhline(recover_share, color="tab:red", linestyle=":", label=f"goal: {recover
 if w_keep:
     ax.axvline(1 - w_keep, color="tab:red", alpha=0.4, label=f"W = {w_keep:.4f}")
 ax.set_xscale("log")
+ax.xaxis.set_minor_formatter(NullFormatter())
 ax.set_xlabel(x_label)
 ax.set_ylabel("kept share of drafter A (fraction of its draft tokens on A)")
 ax.set_title("(a) drafter A plugged in unchanged")
@@ -258,6 +260,7 @@ for n, c in zip(counts, plt.cm.viridis([0.2, 0.5, 0.8, 0.95])):
         draw_fit(ax, ft_fits[n], c, f"fine-tuned on {n} samples")
 ax.axhline(recover_share, color="tab:red", linestyle=":")
 ax.set_xscale("log")
+ax.xaxis.set_minor_formatter(NullFormatter())
 ax.set_xlabel(x_label)
 ax.set_ylabel("kept share after fine-tuning (fraction)")
 ax.set_title(f"(b) drafter A fine-tuned, {steps_ft} steps")
@@ -284,6 +287,7 @@ if recover_fit:
     ax.legend(fontsize=8)
 ax.set_xscale("log")
 ax.set_yscale("log")
+ax.xaxis.set_minor_formatter(NullFormatter())
 ax.set_xlabel(x_label)
 ax.set_ylabel(f"samples to recover {recover_share:.0%} (sequences)")
 ax.set_title(f"(c) bottom: none needed; top: more than {counts[-1]}")
@@ -293,24 +297,28 @@ plt.show()
 # ## The plain distances, and fine-tune against scratch
 
 # %%
-fig, axes = plt.subplots(1, 3, figsize=(15, 3.5))
+fig, axes = plt.subplots(1, 2, figsize=(12, 4))
 for ax, key, what in ((axes[0], "weight", "weight distance from A (relative)"),
                       (axes[1], "kl", "KL(A || B_i) of next tokens (nats/token)")):
     draw_points(ax, [rows[k][key] for k in labels])
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel(x_label)
     ax.set_ylabel(what)
-ax = axes[2]
+plt.show()
+
+fig, ax = plt.subplots(figsize=(7, 4))
 for k in labels:
     c = colors[rows[k]["mix"]]
     ax.plot(counts, [rows[k]["ft"][n][0] for n in counts], marker="o", color=c, alpha=0.8)
     ax.plot(counts, [rows[k]["scratch"][n][0] for n in counts], marker="x", linestyle="--", color=c, alpha=0.8)
     ax.annotate(k, (counts[-1], rows[k]["ft"][counts[-1]][0]), textcoords="offset points", xytext=(4, 0), fontsize=8)
-ax.axhline(goal, color="tab:red", linestyle=":")
+ax.axhline(goal, color="tab:red", linestyle=":", label=f"goal: {recover_share:.0%} of A's draft tokens")
 ax.set_xscale("log")
 ax.set_xlabel("training samples (sequences)")
 ax.set_ylabel("accept length on B_i (tokens/cycle)")
-ax.set_title("fine-tuned (solid) and from scratch (dashed)")
+ax.set_title(f"fine-tuned (solid) and from scratch (dashed), {steps_ft} steps")
+ax.legend(fontsize=8)
 plt.show()
 
 # %% [markdown]
