@@ -27,7 +27,7 @@
 #
 # ```yaml
 # title: Drift dial - the old drafter's kept share and the samples a fine-tune needs, against the probe's similarity
-# reproduces: [accept_on_a, kept_fit.slope, kept_fit.intercept, w_keep]
+# reproduces: [accept_on_a, kept_fit.slope, kept_fit.intercept]
 # feeds: [game-plan.md]
 # depends: [train-target, train-drafter]
 # inputs: [corpus]
@@ -45,10 +45,10 @@
 # %% tags=["parameters"]
 preset = "cpu"
 device = "cpu"
-dials: dict = {"B": [4, 15], "AB": [15]}  # mix -> step counts: A trained further on the mix, a target at each
+dials: dict = {"B": [4, 12], "AB": [12]}  # mix -> step counts: A trained further on the mix, a target at each
 with_pair = True  # train-target's own target B (probe-plugin's pair) as one more point of the dial
 sample_counts = [16, 128]  # samples of each fine-tune (and of each drafter from scratch beside it)
-ft_steps: int | None = 12  # optimizer steps of every fine-tune and drafter from scratch [default: the preset's]
+ft_steps: int | None = 10  # optimizer steps of every fine-tune and drafter from scratch [default: the preset's]
 ft_batch_size: int | None = 4  # their batch [default: the preset's]
 recover_share = 0.9  # the goal: this share of drafter A's accepted draft tokens per cycle on A
 band_se = 1.0  # the plotted bands and the thresholds' ranges: this many standard errors of the fit
@@ -74,13 +74,14 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
+from matplotlib.ticker import NullFormatter
 
 from engine.drafter import load_drafter
 from engine.loading import load_model
 from engine.metrics import kept_share
 from engine.train.drafter import accept_length, check_pair, held_out_prompts, train_drafter, training_sequences
-from engine.train.drift import (layer_cosines, linear_fit, next_token_kl, probe_similarity, samples_to_recover,
-                                weight_distance)
+from engine.train.drift import (layer_cosines, linear_fit, log_distance, next_token_kl, probe_similarity,
+                                samples_to_recover, similarity_at, weight_distance)
 from engine.train.layout import TargetOutputs, trained_pair_dirs
 from engine.train.presets import get_preset, with_overrides
 from engine.train.target import train_target
@@ -174,60 +175,67 @@ for label, r in rows.items():
 # %% [markdown]
 # ## The curves
 #
-# (a) the old drafter's kept share against the probe's similarity, (b) the fine-tunes' kept share per sample count,
-# each a straight line by least squares with a band of `band_se` standard errors; the threshold W of a line is where
-# it reaches `recover_share` (its range: where the band does). (c) samples to recover against the probe's similarity:
-# measured per target (interpolated in log samples; 0 when the old drafter already keeps enough, a triangle up when no
-# count did), with the thresholds of (a) and (b) as the rule's steps. Beyond the dial's range of similarities the
-# lines are extrapolated.
+# The fits take the probe's reading as a distance, log10(1 - similarity) (`engine.train.drift.log_distance`): a
+# line in it stays below similarity 1 wherever it reaches the goal, and the dial's first steps move the similarity
+# least and the drafter most. (a) the old drafter's kept share against it, (b) the fine-tunes' kept share per sample
+# count, each a straight line by least squares with a band of `band_se` standard errors; a line's threshold W is the
+# similarity at which it reaches `recover_share` (its range: where the band does). (c) samples to recover: measured
+# per target (interpolated in log samples; a triangle down: the old drafter keeps enough; up: no count did), with
+# the thresholds of (a) and (b) as the rule's steps. Beyond the dial's range the lines are extrapolated.
 
 # %%
 labels = list(rows)
-sims = [rows[k]["sim"] for k in labels]
+dist = [log_distance(rows[k]["sim"]) for k in labels]
 
 
-def fit_or_none(ys):
+def fit_or_none(xs, ys):
     try:
-        return linear_fit(sims, ys)
-    except Exception as e:  # too few points or one similarity: say so, record no fit
+        return linear_fit(xs, ys)
+    except Exception as e:  # too few points or one distance: say so, record no fit
         print(f"no fit: {e}")
         return None
 
 
-kept_fit = fit_or_none([rows[k]["kept_old"] for k in labels])
-ft_fits = {n: fit_or_none([kept_share(rows[k]["ft"][n][0], accept_a) for k in labels]) for n in counts}
+kept_fit = fit_or_none(dist, [rows[k]["kept_old"] for k in labels])
+ft_fits = {n: fit_or_none(dist, [kept_share(rows[k]["ft"][n][0], accept_a) for k in labels]) for n in counts}
 
 
 def threshold(fit):
-    """W (the similarity at which the line reaches recover_share) and its band's range, when the line rises."""
-    if fit is None or fit.slope <= 0:
+    """W, the similarity at which the line reaches recover_share, and its band's range (similarities), when the
+    line falls with distance."""
+    if fit is None or fit.slope >= 0:
         return None, None
-    return fit.solve(recover_share), fit.solve_band(recover_share, band_se)
+    band = fit.solve_band(recover_share, band_se)
+    return similarity_at(fit.solve(recover_share)), band and tuple(sorted(similarity_at(x) for x in band))
 
 
 w_keep, w_keep_band = threshold(kept_fit)
 w_ft = {n: threshold(f) for n, f in ft_fits.items()}
-recovered = [(rows[k]["sim"], rows[k]["recover"]) for k in labels if rows[k]["recover"]]
-recover_fit = linear_fit([s for s, _ in recovered], [math.log10(n) for _, n in recovered]) \
-    if len(recovered) >= 3 and len({s for s, _ in recovered}) > 1 else None
+recovered = [(d, rows[k]["recover"]) for d, k in zip(dist, labels) if rows[k]["recover"]]
+recover_fit = fit_or_none([d for d, _ in recovered], [math.log10(n) for _, n in recovered]) \
+    if len(recovered) >= 3 else None
 
 # %%
 colors = {mix: c for mix, c in zip(dict.fromkeys(rows[k]["mix"] for k in labels), plt.cm.tab10.colors)}
-grid = [min(sims + [w for w in [w_keep] if w]) - 0.01, 1.0]
-grid = [grid[0] + (grid[1] - grid[0]) * i / 50 for i in range(51)]
+lo = min(dist + [log_distance(w) for w, _ in [(w_keep, 0), *w_ft.values()] if w is not None]) - 0.2
+hi = max(dist) + 0.2
+grid = [lo + (hi - lo) * i / 50 for i in range(51)]
+x_label = "probe distance: 1 - cosine at the drafter's feature layers (log scale)"
 
 
-def draw_fit(ax, fit, color, label):
+def draw_fit(ax, fit, color, label, ymap=lambda y: y):
     ys = [fit(x) for x in grid]
     band = [band_se * fit.se(x) for x in grid]
-    ax.plot(grid, ys, color=color, label=label)
-    ax.fill_between(grid, [y - b for y, b in zip(ys, band)], [y + b for y, b in zip(ys, band)], color=color, alpha=0.15)
+    xs = [10 ** x for x in grid]
+    ax.plot(xs, [ymap(y) for y in ys], color=color, label=label)
+    ax.fill_between(xs, [ymap(y - b) for y, b in zip(ys, band)], [ymap(y + b) for y, b in zip(ys, band)],
+                    color=color, alpha=0.15)
 
 
-def draw_points(ax, ys):
+def draw_points(ax, ys, marker="o"):
     for k, y in zip(labels, ys):
-        ax.scatter(rows[k]["sim"], y, color=colors[rows[k]["mix"]], zorder=3)
-        ax.annotate(k, (rows[k]["sim"], y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.scatter(1 - rows[k]["sim"], y, color=colors[rows[k]["mix"]], marker=marker, zorder=3)
+        ax.annotate(k, (1 - rows[k]["sim"], y), textcoords="offset points", xytext=(4, 4), fontsize=8)
 
 
 fig, axes = plt.subplots(1, 2, figsize=(12, 4))
@@ -237,19 +245,23 @@ if kept_fit:
     draw_fit(ax, kept_fit, "tab:gray", f"fit, band {band_se:g} standard error(s)")
 ax.axhline(recover_share, color="tab:red", linestyle=":", label=f"goal: {recover_share:.0%} kept")
 if w_keep:
-    ax.axvline(w_keep, color="tab:red", alpha=0.4, label=f"W = {w_keep:.3f}")
-ax.set_xlabel("probe similarity (cosine at the drafter's feature layers)")
+    ax.axvline(1 - w_keep, color="tab:red", alpha=0.4, label=f"W = {w_keep:.4f}")
+ax.set_xscale("log")
+ax.xaxis.set_minor_formatter(NullFormatter())
+ax.set_xlabel(x_label)
 ax.set_ylabel("kept share of drafter A (fraction of its draft tokens on A)")
 ax.set_title("(a) drafter A plugged in unchanged")
 ax.legend(fontsize=8)
 ax = axes[1]
 for n, c in zip(counts, plt.cm.viridis([0.2, 0.5, 0.8, 0.95])):
-    ys = [kept_share(rows[k]["ft"][n][0], accept_a) for k in labels]
-    ax.scatter(sims, ys, color=c, zorder=3)
+    ax.scatter([1 - rows[k]["sim"] for k in labels], [kept_share(rows[k]["ft"][n][0], accept_a) for k in labels],
+               color=c, zorder=3)
     if ft_fits[n]:
         draw_fit(ax, ft_fits[n], c, f"fine-tuned on {n} samples")
 ax.axhline(recover_share, color="tab:red", linestyle=":")
-ax.set_xlabel("probe similarity (cosine at the drafter's feature layers)")
+ax.set_xscale("log")
+ax.xaxis.set_minor_formatter(NullFormatter())
+ax.set_xlabel(x_label)
 ax.set_ylabel("kept share after fine-tuning (fraction)")
 ax.set_title(f"(b) drafter A fine-tuned, {steps_ft} steps")
 ax.legend(fontsize=8)
@@ -257,49 +269,56 @@ plt.show()
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 4))
-top = counts[-1] * 3
+top, bottom = counts[-1] * 3, counts[0] / 3
 for k in labels:
     n = rows[k]["recover"]
-    y, marker = (top, "^") if n is None else (max(n, counts[0] / 3), "v" if n == 0 else "o")
-    ax.scatter(rows[k]["sim"], y, marker=marker, color=colors[rows[k]["mix"]], zorder=3)
-    ax.annotate(k, (rows[k]["sim"], y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-steps_rule = [(w_keep, w_keep_band, counts[0] / 3, "no fine-tune")] + [(w, b, n, f"{n} samples")
-                                                                     for n, (w, b) in w_ft.items()]
-for w, band, y, what in steps_rule:
+    y, marker = (top, "^") if n is None else (bottom, "v") if n == 0 else (n, "o")
+    ax.scatter(1 - rows[k]["sim"], y, marker=marker, color=colors[rows[k]["mix"]], zorder=3)
+    ax.annotate(k, (1 - rows[k]["sim"], y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+for (w, band), y, what in [((w_keep, w_keep_band), bottom, "no fine-tune"),
+                           *((w_ft[n], n, f"{n} samples") for n in counts)]:
     if w is not None:
-        err = None if band is None else [[w - band[0]], [band[1] - w]]
-        ax.errorbar([w], [y], xerr=err, fmt="s", color="tab:red", capsize=3)
-        ax.annotate(f"W: {what}", (w, y), textcoords="offset points", xytext=(4, -12), fontsize=8, color="tab:red")
+        err = None if band is None else [[(1 - w) - (1 - band[1])], [(1 - band[0]) - (1 - w)]]
+        ax.errorbar([1 - w], [y], xerr=err, fmt="s", color="tab:red", capsize=3)
+        ax.annotate(f"W: {what}", (1 - w, y), textcoords="offset points", xytext=(4, -12), fontsize=8,
+                    color="tab:red")
 if recover_fit:
-    draw_fit(ax, recover_fit, "tab:gray", "fit of log10(samples)")
-    ax.lines[-1].set_ydata([10 ** recover_fit(x) for x in grid])
+    draw_fit(ax, recover_fit, "tab:gray", "fit of log10(samples)", ymap=lambda y: 10 ** y)
+    ax.legend(fontsize=8)
+ax.set_xscale("log")
 ax.set_yscale("log")
-ax.set_xlabel("probe similarity (cosine at the drafter's feature layers)")
+ax.xaxis.set_minor_formatter(NullFormatter())
+ax.set_xlabel(x_label)
 ax.set_ylabel(f"samples to recover {recover_share:.0%} (sequences)")
-ax.set_title(f"(c) below: 0 (no fine-tune); top: more than {counts[-1]}")
+ax.set_title(f"(c) bottom: none needed; top: more than {counts[-1]}")
 plt.show()
 
 # %% [markdown]
 # ## The plain distances, and fine-tune against scratch
 
 # %%
-fig, axes = plt.subplots(1, 3, figsize=(15, 3.5))
+fig, axes = plt.subplots(1, 2, figsize=(12, 4))
 for ax, key, what in ((axes[0], "weight", "weight distance from A (relative)"),
                       (axes[1], "kl", "KL(A || B_i) of next tokens (nats/token)")):
     draw_points(ax, [rows[k][key] for k in labels])
-    ax.set_xlabel("probe similarity (cosine at the drafter's feature layers)")
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel(x_label)
     ax.set_ylabel(what)
-ax = axes[2]
+plt.show()
+
+fig, ax = plt.subplots(figsize=(7, 4))
 for k in labels:
     c = colors[rows[k]["mix"]]
     ax.plot(counts, [rows[k]["ft"][n][0] for n in counts], marker="o", color=c, alpha=0.8)
     ax.plot(counts, [rows[k]["scratch"][n][0] for n in counts], marker="x", linestyle="--", color=c, alpha=0.8)
     ax.annotate(k, (counts[-1], rows[k]["ft"][counts[-1]][0]), textcoords="offset points", xytext=(4, 0), fontsize=8)
-ax.axhline(goal, color="tab:red", linestyle=":")
+ax.axhline(goal, color="tab:red", linestyle=":", label=f"goal: {recover_share:.0%} of A's draft tokens")
 ax.set_xscale("log")
 ax.set_xlabel("training samples (sequences)")
 ax.set_ylabel("accept length on B_i (tokens/cycle)")
-ax.set_title("fine-tuned (solid) and from scratch (dashed)")
+ax.set_title(f"fine-tuned (solid) and from scratch (dashed), {steps_ft} steps")
+ax.legend(fontsize=8)
 plt.show()
 
 # %% [markdown]
@@ -344,7 +363,7 @@ def record_fit(name, fit, what):
 
 def record_threshold(name, w, band, what):
     if w is None:
-        print(f"{name}: the line does not rise with similarity; no threshold")
+        print(f"{name}: the line does not fall with distance; no threshold")
         return
     record(name, w, unit="cosine", kind=kind, direction="none", rel_tol=fit_tol, description=what)
     if band is not None:
@@ -354,12 +373,13 @@ def record_threshold(name, w, band, what):
 
 
 if kept_fit:
-    record_fit("kept_fit", kept_fit, "drafter A's kept share against probe similarity")
+    record_fit("kept_fit", kept_fit, "drafter A's kept share against log10(1 - probe similarity)")
 for n, fit in ft_fits.items():
     if fit:
-        record_fit(f"ft_fit_n{n}", fit, f"kept share after fine-tuning on {n} samples against probe similarity")
+        record_fit(f"ft_fit_n{n}", fit, f"kept share after fine-tuning on {n} samples against log10(1 - probe "
+                                        f"similarity)")
 if recover_fit:
-    record_fit("recover_fit", recover_fit, "log10(samples to recover) against probe similarity")
+    record_fit("recover_fit", recover_fit, "log10(samples to recover) against log10(1 - probe similarity)")
 record_threshold("w_keep", w_keep, w_keep_band,
                  f"probe similarity above which drafter A keeps {recover_share:.0%} unchanged (fit a)")
 for n, (w, band) in w_ft.items():

@@ -16,8 +16,8 @@ from engine.loading import random_model
 from engine.metrics import kept_share
 from engine.train import corpus
 from engine.train.drafter import train_drafter, training_sequences
-from engine.train.drift import (layer_cosines, linear_fit, next_token_kl, on_the_dial, probe_similarity,
-                                samples_to_recover, weight_distance)
+from engine.train.drift import (layer_cosines, linear_fit, log_distance, next_token_kl, on_the_dial,
+                                probe_similarity, samples_to_recover, similarity_at, weight_distance)
 from engine.train.presets import DrafterRun, TargetRun, get_preset, target_config
 from engine.train.target import snapshot_dir, train_target
 from engine.train.tokenizer import save_tokenizer, train_tokenizer
@@ -244,15 +244,27 @@ def test_the_runbooks_header_parses():
 
 # ---- the real reading on the recorded curve --------------------------------------------------------------------
 
+def recorded_dial_fit() -> dict[str, float]:
+    """A kept-share fit as drift-dial records it: kept = -0.6 x - 0.3 in x = log10(1 - similarity)."""
+    xs = [-2.0, -1.5, -1.0, -0.5]
+    fit = linear_fit(xs, [-0.6 * x - 0.3 for x in xs])
+    return {f"kept_fit.{k}": float(v) for k, v in dataclasses.asdict(fit).items()}
+
+
+def test_log_distance_is_the_probes_reading_as_a_distance():
+    assert log_distance(0.99) == pytest.approx(-2.0) and similarity_at(-2.0) == pytest.approx(0.99)
+    with pytest.raises(EngineError):
+        log_distance(1.0)  # the same target: no distance to take a log of
+
+
 def test_a_reading_is_placed_on_the_recorded_fit_and_its_thresholds():
-    fit = linear_fit([0.95, 0.9, 0.85, 0.8], [0.9, 0.7, 0.5, 0.3])  # kept = 4 * sim - 2.9
-    values = {f"kept_fit.{k}": float(v) for k, v in dataclasses.asdict(fit).items()}
-    values |= {"w_keep": 0.95, "w_keep_lo": 0.94, "w_recover_n128": 0.8, "w_recover_n16": 0.86}
-    lines = on_the_dial(0.875, values, 0.9, kept=0.55)
-    assert "kept share of 0.60" in lines[0] and "inside" in lines[0] and "measured here: 0.55" in lines[0]
-    assert lines[1].startswith("below W = 0.9500") and "unchanged" in lines[1]
-    assert lines[2].startswith("above W = 0.8600") and "16 samples" in lines[2]  # the counts in order
-    assert lines[3].startswith("above W = 0.8000") and "128 samples" in lines[3]
+    values = recorded_dial_fit() | {"w_keep": 0.99, "w_keep_lo": 0.98, "w_recover_n128": 0.9, "w_recover_n16": 0.95}
+    lines = on_the_dial(similarity_at(-1.25), values, 0.9, kept=0.5)  # a similarity of 0.9438
+    assert "kept share of 0.45" in lines[0] and "inside" in lines[0] and "measured here: 0.50" in lines[0]
+    assert "0.6838..0.9900" in lines[0]  # the dial's range, as similarities
+    assert lines[1].startswith("below W = 0.9900") and "unchanged" in lines[1]
+    assert lines[2].startswith("below W = 0.9500") and "16 samples" in lines[2]  # the counts in order
+    assert lines[3].startswith("above W = 0.9000") and "128 samples" in lines[3]
     assert len(lines) == 5 and lines[-1].startswith("caveat of scale")
     assert "outside" in on_the_dial(0.5, values, 0.9)[0]
     with pytest.raises(KeyError):
@@ -270,13 +282,13 @@ def test_probe_plugin_at_scale_prints_its_reading_on_the_recorded_dial(tmp_path,
     src = (ROOT / "runbooks" / "probe-plugin.py").read_text()
     start = src.index("    # where the reading falls on drift-dial's recorded fits")
     snippet = textwrap.dedent(src[start:src.index("\n# %%", start)])
-    scope = dict(sim=SimpleNamespace(aux_mean=0.875), tau={"a": 3.0, "b": 2.1}, kept_share=kept_share, Path=Path)
+    scope = dict(sim=SimpleNamespace(aux_mean=similarity_at(-1.25)), tau={"a": 3.0, "b": 2.0}, kept_share=kept_share,
+                 Path=Path)
     monkeypatch.chdir(tmp_path)
     exec(snippet, dict(scope))
     assert "no drift-dial record yet" in capsys.readouterr().out
 
-    fit = linear_fit([0.95, 0.9, 0.85, 0.8], [0.9, 0.7, 0.5, 0.3])
-    values = {f"kept_fit.{k}": float(v) for k, v in dataclasses.asdict(fit).items()} | {"w_keep": 0.95}
+    values = recorded_dial_fit() | {"w_keep": 0.99}
     for profile, share in (("cpu", 0.9), ("h200.dsv3", 0.8)):
         run = dict(id=f"r-{profile}", source="measured", date="2026-12-05T10:00:00Z", provenance={}, inputs_hash="x",
                    parameters={"recover_share": share})
@@ -285,5 +297,5 @@ def test_probe_plugin_at_scale_prints_its_reading_on_the_recorded_dial(tmp_path,
     exec(snippet, dict(scope))
     out = capsys.readouterr().out
     assert out.index("profile h200.dsv3") < out.index("profile cpu")  # the K2 family's curve first
-    assert "kept share of 0.60" in out and "measured here: 0.55" in out and "keeps 80%" in out
+    assert "kept share of 0.45" in out and "measured here: 0.50" in out and "keeps 80%" in out
     assert "caveat of scale" in out

@@ -54,6 +54,18 @@ def probe_similarity(cosines: Sequence[float], aux_layers: Sequence[int]) -> flo
     return sum(cosines[i] for i in aux_layers) / len(aux_layers)
 
 
+def log_distance(similarity: float) -> float:
+    """The probe's reading as a distance for the drift dial's fits: log10(1 - similarity)."""
+    if not similarity < 1:
+        raise EngineError(f"a similarity of {similarity} is no distance: the targets are the same")
+    return math.log10(1 - similarity)
+
+
+def similarity_at(log_dist: float) -> float:
+    """The similarity of a log_distance."""
+    return 1 - 10 ** log_dist
+
+
 def next_token_kl(model_a: Transformer, model_b: Transformer, prompts: Sequence[list[int]]) -> float:
     """KL(A || B) of the next-token distributions, nats per token, averaged over every position of every prompt:
     how much of what A predicts B no longer does."""
@@ -175,14 +187,16 @@ SCALE_CAVEAT = ("the dial is a miniature: targets of millions of parameters drif
 def on_the_dial(similarity: float, values: Mapping[str, float], share: float, kept: float | None = None
                 ) -> list[str]:
     """Where a probe reading falls on a drift dial's recorded curves, in words: `values` are the drift-dial
-    record's metrics by name (kept_fit.* rebuilds fit (a); w_keep and w_recover_nN are its thresholds) and `share`
-    its goal (recover_share); `kept`, the kept share measured beside the reading, is set against the prediction."""
+    record's metrics by name (kept_fit.* rebuilds fit (a), kept share against log_distance; w_keep and w_recover_nN
+    are its thresholds, similarities) and `share` its goal (recover_share); `kept`, the kept share measured beside
+    the reading, is set against the prediction."""
     fit = LinearFit(**{f.name: values[f"kept_fit.{f.name}"] for f in dataclasses.fields(LinearFit)})
-    y, se = fit(similarity), fit.se(similarity)
-    where = "inside" if fit.x_min <= similarity <= fit.x_max else "outside (extrapolated)"
+    x = log_distance(similarity)
+    y, se = fit(x), fit.se(x)
+    where = "inside" if fit.x_min <= x <= fit.x_max else "outside (extrapolated)"
     lines = [f"a probe similarity of {similarity:.4f} predicts a kept share of {y:.2f} +- {se:.2f} (one standard "
-             f"error), {where} the dial's range {fit.x_min:.4f}..{fit.x_max:.4f}"
-             + ("" if kept is None else f"; measured here: {kept:.2f}")]
+             f"error), {where} the dial's range of similarities {similarity_at(fit.x_max):.4f}.."
+             f"{similarity_at(fit.x_min):.4f}" + ("" if kept is None else f"; measured here: {kept:.2f}")]
     counts = sorted(int(m[1]) for k in values if (m := re.fullmatch(r"w_recover_n(\d+)", k)))
     rules = [("w_keep", "the old drafter unchanged")] + [(f"w_recover_n{n}", f"a fine-tune on {n} samples")
                                                          for n in counts]
