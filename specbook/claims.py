@@ -26,7 +26,7 @@ from typing import Iterable
 
 import yaml
 
-from specbook import SpecbookError, headlines, records, verify
+from specbook import SpecbookError, headlines, pending, records, verify
 from specbook.fsutil import atomic_write
 
 FRONT_MATTER_KEYS = ("title", "status", "updated", "runbooks", "records")
@@ -325,6 +325,8 @@ def check_claim(root: Path, claim: Claim, cache: dict) -> list[Problem]:
     if claim.run:  # what one run measured stays true when later inputs change
         return []
     verdict = record_verdict(root, claim.runbook, claim.profile, claim.metric, cache)
+    if verdict == verify.STALE and pending.owed(root, claim.profile):  # shown as owed, re-made where it can be
+        return []
     if verdict in FAILING_VERDICTS:
         return [Problem(claim.file, claim.line,
                         f"claim {claim.key}: record is {verdict} (`runbook verify {claim.runbook}`)")]
@@ -383,6 +385,8 @@ def check_docs(root: Path | str) -> list[Problem]:
     that is down without a word why in the docs is one (specbook.headlines)."""
     root = Path(root)
     problems = [Problem(*p) for p in headlines.problems(root, doc_texts(root))]
+    stale = {v.profile for v in verify.index(root).values() if v.state == verify.STALE}
+    problems += [Problem(pending.PATH.as_posix(), 0, m) for m in pending.problems(root, stale)]
     cache: dict = {}
     for path in [*doc_files(root), *extra_files(root)]:
         file = path.relative_to(root).as_posix()

@@ -15,7 +15,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specbook import RunFailed, SpecbookError, claims, headlines, provenance, records, runbooks, verified, verify
+from specbook import (RunFailed, SpecbookError, claims, headlines, pending, provenance, records, runbooks, verified,
+                      verify)
 from specbook.execute import EXECUTED
 from specbook.fsutil import atomic_write
 from specbook.text import md_cell, one_line
@@ -325,6 +326,8 @@ def _quoted(root: Path, c, v, last: dict[str, str], cache: dict) -> Quoted:
         return Quoted(c.runbook, label, [], v.unit, claims.PINNED, "",
                       f"{str(run.get('date'))[:10]}, {verify.hardware(c.profile, run)}, `{commit}`", "-")
     why = v.inputs if v.state == verify.STALE else ""
+    if v.state == verify.STALE and (o := pending.owed(root, c.profile, here="-")):
+        why = f"{why}; {o.words()}"
     return Quoted(c.runbook, label, [], v.unit, v.state, why, f"{v.date[:10]}, {v.hardware}, `{v.commit or '-'}`",
                   last.get(c.key, "-"), date=v.date[:10])
 

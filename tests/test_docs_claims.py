@@ -6,7 +6,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from specbook import claims, provenance, site
+from specbook import SpecbookError, claims, provenance, site
 from specbook.cli import main
 from specbook.execute import target
 from specbook.claims import DocsError, check_docs, plan_refresh, apply_edits, refresh_docs
@@ -356,3 +356,25 @@ def test_a_records_text_stays_in_its_cell_and_line(root):
     lines = shown.stdout.splitlines()
     assert len(lines) == 5 and "\x1b" not in shown.stdout, lines  # name, header, rule, one metric, one run
     assert lines[3].split()[:2] == ["cpu", "tok_s"] and "\\n" in lines[3]
+
+
+def test_a_re_record_owed_for_another_machine_keeps_it_stale_but_is_no_docs_problem(root):
+    """An engine change lands before a lease re-records the GPU's numbers: baselines/pending/records.yaml says the
+    re-record is owed; the number stays stale on the status page (which says so), and the entry must go once nothing
+    of that machine is stale."""
+    write_record(root, source="measured", profile=OTHER)
+    page(root, f"<!-- claim: bench/{OTHER}/tok_s fmt=.1f -->82.5<!-- /claim --> tok/s\n")
+    owed = root / "baselines" / "pending" / "records.yaml"
+    owed.parent.mkdir(parents=True)
+    owed.write_text(f"pending:\n  - machine: {OTHER}\n    since: abcdef1\n    why: no lease came\n")
+    assert messages(root) == [f"baselines/pending/records.yaml:0: nothing of {OTHER} is stale any more: remove its "
+                              "entry"]
+    rb = root / "runbooks" / "bench.py"
+    rb.write_text(rb.read_text().replace("n = 1", "n = 2"))
+    assert claims.record_verdict(root, "bench", OTHER, "tok_s", {}) == "stale" and messages(root) == []
+    assert "re-record owed since abcdef1: no lease came" in site.status_page(root)
+    owed.write_text(f"pending:\n  - machine: {HERE}\n    since: abcdef1\n    why: lazy\n")  # this machine could
+    assert f"records are owed, and this machine is a {HERE}: re-record them here" in " ".join(messages(root))
+    owed.write_text("pending:\n  - machine: h200\n")
+    with pytest.raises(SpecbookError, match=r"pending\[0\] must be"):
+        check_docs(root)
