@@ -165,7 +165,12 @@ def engine_change(root: Path, t: Target, p: dict[str, Any]) -> str:
     where = provenance.engine_changes(root, str(p.get("git_commit") or ""), t.rb.source, t.params)
     if not where:
         return "engine"
-    return "engine (" + "; ".join(f"{path}: {', '.join(labels)}" for path, labels in where.items()) + ")"
+
+    def some(items: list[str], n: int) -> list[str]:  # a status line stays readable
+        return items if len(items) <= n else [*items[:n], f"+{len(items) - n} more"]
+
+    files = [f"{path}: {', '.join(some(labels, 4))}" for path, labels in where.items()]
+    return "engine (" + "; ".join(some(files, 3)) + ")"
 
 
 def _static(root: Path, name: str, profile: str, prof: dict, here: str, cache: dict) -> list[Verdict]:
