@@ -1,7 +1,6 @@
 """engine/kernels.py: the kernel choices as one frozen value - defaults, validation, the plain-dict round trip a
 runbook parameter needs, the CLI's --kernels - and its dispatch-by-name rule: a kernel that no run chooses is named
 nowhere in the code a default run reaches (what keeps landing one from staling a record's fingerprint)."""
-import ast
 import importlib
 import json
 import subprocess
@@ -12,11 +11,10 @@ import pytest
 
 from engine.errors import EngineError
 from engine.kernels import HOMES, Kernels, implementation
+from specbook import provenance
+from specbook.runbooks import load as load_runbook
 
 ROOT = Path(__file__).resolve().parent.parent
-# what a runbook runs the engine through
-ENTRY_POINTS = ("Engine", "random_model", "load_model", "load_drafter", "new_drafter", "SpecDecoder",
-                "TargetDecoder", "run_bench", "cycle_stats", "Kernels")
 
 
 def test_defaults_round_trip_through_a_plain_dict():
@@ -131,79 +129,32 @@ def test_the_cli_takes_kernels_and_refuses_bad_ones_with_exit_2():
     assert bad.returncode == 2 and "unknown verify_linear 'fast'" in bad.stderr
 
 
-# ---- dispatch by name: what a default run reaches ----------------------------------------------------------------
-def _top_level(tree: ast.Module):
-    """Module-level definitions, also inside module-level if/try blocks: (name, node)."""
-    todo = list(tree.body)
-    while todo:
-        node = todo.pop(0)
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            yield node.name, node
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            for t in targets:
-                for n in ast.walk(t):
-                    if isinstance(n, ast.Name):
-                        yield n.id, node
-        elif isinstance(node, (ast.If, ast.Try)):
-            todo += node.body + getattr(node, "orelse", []) + [s for h in getattr(node, "handlers", []) for s in h.body]
+# ---- dispatch by name: what a default run reaches -------------------------------------------------------------
+def reached(runbook: str, profile: str, kernels: dict | None = None) -> set[str]:
+    """The engine definitions a runbook's fingerprint covers (specbook.codehash, the records' own rule), with its
+    parameters on a profile, plus a `kernels` parameter when given."""
+    rb = load_runbook(ROOT, runbook)
+    params = {**rb.params_for(profile), **({"kernels": kernels} if kernels else {})}
+    units, _ = provenance.engine_units(ROOT, rb.source, params)
+    return {u.label for u in units}
 
 
-def _names(node: ast.AST) -> set[str]:
-    """Identifiers, attribute names, import aliases and string constants in node, docstrings left out."""
-    docstrings = {id(b[0].value) for n in ast.walk(node)
-                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module))
-                  and (b := n.body) and isinstance(b[0], ast.Expr) and isinstance(b[0].value, ast.Constant)}
-    out = set()
-    for n in ast.walk(node):
-        if isinstance(n, ast.Name):
-            out.add(n.id)
-        elif isinstance(n, ast.Attribute):
-            out.add(n.attr)
-        elif isinstance(n, ast.alias):
-            out.update({n.name.split(".")[-1], n.asname or ""})
-        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings:
-            out.add(n.value)
-    return out
-
-
-def engine_definitions() -> dict[str, list[ast.AST]]:
-    defs: dict[str, list[ast.AST]] = {}
-    for path in (ROOT / "engine").rglob("*.py"):
-        for name, node in _top_level(ast.parse(path.read_text())):
-            defs.setdefault(name, []).append(node)
-    return defs
-
-
-def reached(defs: dict[str, list[ast.AST]], roots: set[str]) -> set[str]:
-    seen, todo = set(), list(roots)
-    while todo:
-        name = todo.pop()
-        if name in seen or name not in defs:
-            continue
-        seen.add(name)
-        for node in defs[name]:
-            todo += _names(node) - seen
-    return seen
-
-
-def test_no_kernel_that_lands_off_is_reached_by_name_from_a_default_run():
-    """The fingerprint rule of the module doc, by AST: from the entry points a runbook calls (and the default
-    Kernels' values), no implementation other than a default one is reachable by name, nor the Triton kernels
-    and helpers only such an implementation uses."""
-    defs = engine_definitions()
-    default = reached(defs, set(ENTRY_POINTS))
+def test_no_kernel_that_lands_off_is_in_a_default_runs_fingerprint():
+    """The rule of the module doc, on the records' fingerprint: no record of a runbook run with the defaults covers
+    an implementation other than a default one, nor the Triton kernels and helpers only such an implementation
+    uses; a run whose parameters name a choice covers its kernel."""
     k = Kernels()
     marked = {name for choice, home in HOMES.items() for name, v in vars(importlib.import_module(home)).items()
               if choice in getattr(v, "kernel_choices", ())}
     chosen_by_default = {getattr(k, c) for c in HOMES}
     off = marked - chosen_by_default - {"sdpa"}  # sdpa: also split_kv's own fallback, today's code
     assert off == {"few_rows", "grouped_merge", "fused_add_norm", "fused_swiglu"}
-    assert chosen_by_default <= default
-    assert default & off == set(), "a kernel that lands off is named in code a default run reaches"
     own_code = {"_gemm_rows", "few_row_blocks", "gemm_few_rows", "_merge_in_groups", "_splitkv_partial_grouped",
                 "_gemv_prologue_rows", "prologue_blocks", "add_norm_gemv", "swiglu_gemv"}
-    assert default & own_code == set()
-    # the check can fail: a run that names a choice reaches its kernel
-    assert {"_gemm_rows", "few_row_blocks"} <= reached(defs, set(ENTRY_POINTS) | {"few_rows"})
-    assert "_merge_in_groups" in reached(defs, set(ENTRY_POINTS) | {"grouped_merge"})
+    for runbook, profile in (("baseline-eagle3", "h200"), ("baseline-decode", "h200"), ("tree-sweep", "cpu")):
+        default = reached(runbook, profile)
+        assert {"cublas", "gemv", "split_kv"} <= default
+        assert default & (off | own_code) == set(), (runbook, "a kernel that lands off is in a default fingerprint")
+    # the check can fail: a run that names a choice covers its kernel
+    assert {"_gemm_rows", "few_row_blocks"} <= reached("baseline-eagle3", "h200", {"verify_linear": "few_rows"})
+    assert "_merge_in_groups" in reached("baseline-eagle3", "h200", {"merge": "grouped_merge"})
