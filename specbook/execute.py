@@ -475,16 +475,22 @@ def _use_lock(t: Target) -> filelock.ReadWriteLock:
     return filelock.ReadWriteLock(path)  # one per file and process (filelock keeps the instance)
 
 
+def _acquire(acquire: Callable[..., object], log, waiting: str) -> None:
+    """Take a lock, saying `waiting` first when another run holds it (a silent wait looks like a hang)."""
+    try:
+        acquire(blocking=False)
+    except filelock.Timeout:
+        log(waiting)
+        acquire()
+
+
 @contextlib.contextmanager
 def _writing(t: Target, log) -> Iterator[None]:
     """Hold `t`'s outputs exclusively while they are rebuilt or removed: never under a run that reads them (a
     dependency rebuilt in place under its reader handed it half of the old outputs and half of the new)."""
     lock = _use_lock(t)
-    try:
-        lock.acquire_write(blocking=False)
-    except filelock.Timeout:
-        log(f"waiting for the runs that read {t.rb.name} on {t.profile} to finish before rebuilding it")
-        lock.acquire_write()
+    _acquire(lock.acquire_write, log, f"waiting for the runs that read {t.rb.name} on {t.profile} to finish "
+             "before rebuilding it")
     try:
         yield
     finally:
@@ -498,11 +504,7 @@ def _reading(deps: dict[Path, Target], log) -> Iterator[None]:
     with contextlib.ExitStack() as held:
         for d in sorted(deps.values(), key=lambda d: d.outputs_dir):  # one order: no two runs wait on each other
             lock = _use_lock(d)
-            try:
-                lock.acquire_read(blocking=False)
-            except filelock.Timeout:
-                log(f"waiting for another run rebuilding {d.rb.name} on {d.profile}")
-                lock.acquire_read()
+            _acquire(lock.acquire_read, log, f"waiting for another run rebuilding {d.rb.name} on {d.profile}")
             held.callback(lock.release)
             if not d.done:
                 raise RunFailed(f"{d.rb.name} on {d.profile}: another run rebuilt it meanwhile and did not finish "

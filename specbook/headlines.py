@@ -28,8 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from specbook import SpecbookError, project, records
 from specbook.text import md_cell
 
@@ -120,13 +118,7 @@ def load(root: Path) -> list[Headline]:
     if name is None:
         return []
     path = Path(root) / name
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
-        raise SpecbookError(f"{path}: unreadable headlines file: {type(e).__name__}: {e}".splitlines()[0]) from None
-    items = data.get("headlines") if isinstance(data, dict) else None
-    if not isinstance(items, list):
-        raise SpecbookError(f"{path}: must hold `headlines:`, a list of {{key, what, goal, better}}")
+    items = project.yaml_list(path, "headlines", "{key, what, goal, better}")
     out = []
     for i, item in enumerate(items):
         where = f"{path}: headlines[{i}]"

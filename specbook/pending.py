@@ -17,9 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
-from specbook import SpecbookError, provenance
+from specbook import SpecbookError, project, provenance
 
 PATH = Path("baselines") / "pending" / "records.yaml"
 
@@ -39,13 +37,7 @@ def load(root: Path) -> dict[str, Owed]:
     path = Path(root) / PATH
     if not path.is_file():
         return {}
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
-        raise SpecbookError(f"{path}: unreadable: {type(e).__name__}".splitlines()[0]) from None
-    items = data.get("pending") if isinstance(data, dict) else None
-    if not isinstance(items, list):
-        raise SpecbookError(f"{path}: must hold `pending:`, a list of {{machine, since, why}}")
+    items = project.yaml_list(path, "pending", "{machine, since, why}")
     out = {}
     for i, item in enumerate(items):
         ok = (isinstance(item, dict) and set(item) == {"machine", "since", "why"}

@@ -116,3 +116,18 @@ def input_function(target: str) -> Callable[[], object]:
     """The function a "module:function" input names (imported now: a missing module raises ImportError)."""
     module, _, func = target.partition(":")
     return getattr(importlib.import_module(module), func)
+
+
+def yaml_list(path: Path, key: str, shape: str) -> list:
+    """The list under `key` of a committed YAML file of the project (headlines, owed re-records); a file that does
+    not read, or holds no such list, is one line (SpecbookError) naming the file and the expected `shape`."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as e:
+        raise SpecbookError(f"{path}: unreadable: {type(e).__name__}: {e}".splitlines()[0]) from None
+    items = data.get(key) if isinstance(data, dict) else None
+    if not isinstance(items, list):
+        raise SpecbookError(f"{path}: must hold `{key}:`, a list of {shape}")
+    return items
