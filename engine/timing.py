@@ -106,15 +106,35 @@ class CycleStats:
 
 def cycle_stats(decoder, prompts: list[list[int]], new_tokens: int, repeats: int = 3, seed: int = 0,
                 sampling: SamplingParams = SamplingParams()) -> CycleStats:
-    """Works for TargetDecoder and SpecDecoder alike; the first call captures graphs and is not timed."""
-    decoder.generate(prompts[0], min(new_tokens, 8), sampling, seed=seed)
-    passes = []
+    """One decoder's CycleStats (interleaved_cycle_stats of it alone)."""
+    return interleaved_cycle_stats({"": decoder}, prompts, new_tokens, repeats, seed, sampling)[""]
+
+
+def interleaved_cycle_stats(decoders: dict[str, object], prompts: list[list[int]], new_tokens: int | dict[str, int],
+                            repeats: int = 3, seed: int = 0,
+                            sampling: SamplingParams = SamplingParams()) -> dict[str, CycleStats]:
+    """Several decoders (TargetDecoder and SpecDecoder alike) measured in rounds: in each of `repeats` rounds every
+    decoder makes one pass over the prompts, in an order rotated round by round, so that a change of the machine's
+    pace hits them alike and pass r of each is round r's (a speedup is taken round by round: paired_ratios). Each
+    decoder's first call captures its graphs and is not timed; `new_tokens` may differ per decoder."""
+    names = list(decoders)
+    n_new = {n: new_tokens[n] if isinstance(new_tokens, dict) else new_tokens for n in names}
+    for n in names:
+        decoders[n].generate(prompts[0], min(n_new[n], 8), sampling, seed=seed)
+    passes: dict[str, list] = {n: [] for n in names}
     with quiet.timed():  # every pass in one quiet window, so the passes are alike
-        for _ in range(repeats):
-            runs = [decoder.generate(p, new_tokens, sampling, seed=seed) for p in prompts]
-            tokens, secs = sum(r.decode_tokens for r in runs), sum(r.decode_s for r in runs)
-            passes.append((tokens / secs, secs, sum(r.verify_cycles for r in runs), runs))
-        timed = [decoder.generate(p, new_tokens, sampling, seed=seed, timed_phases=True) for p in prompts]
+        for r in range(repeats):
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                runs = [decoders[n].generate(p, n_new[n], sampling, seed=seed) for p in prompts]
+                tokens, secs = sum(x.decode_tokens for x in runs), sum(x.decode_s for x in runs)
+                passes[n].append((tokens / secs, secs, sum(x.verify_cycles for x in runs), runs))
+        timed = {n: [decoders[n].generate(p, n_new[n], sampling, seed=seed, timed_phases=True) for p in prompts]
+                 for n in names}
+    return {n: _stats(passes[n], timed[n]) for n in names}
+
+
+def _stats(passes: list, timed: list) -> CycleStats:
+    """The median pass's speed and accept length, and the phase split of the synchronised pass."""
     tok_s, secs, cycles, runs = sorted(passes, key=lambda x: x[0])[len(passes) // 2]
     n = sum(r.verify_cycles for r in timed)
 
@@ -124,3 +144,9 @@ def cycle_stats(decoder, prompts: list[list[int]], new_tokens: int, repeats: int
     return CycleStats(tok_s, [p[0] for p in passes], 1e3 * secs / cycles,
                       accept_length(sum(r.decode_tokens for r in runs), cycles), per_cycle("draft_s"),
                       per_cycle("verify_s"), per_cycle("other_s"), [r.token_ids for r in runs])
+
+
+def paired_ratios(num: CycleStats, den: CycleStats) -> list[float]:
+    """num's speed over den's, round by round, from interleaved_cycle_stats: each ratio is of two passes made
+    back to back, so the machine's pace between rounds cancels."""
+    return [a / b for a, b in zip(num.samples, den.samples, strict=True)]

@@ -99,3 +99,46 @@ def test_bench_numbers_derive_from_the_measured_times(clocked, monkeypatch):
 def test_bench_floors_take_time_on_the_real_clock():
     eng = Engine.load(shape="tiny", max_seq_len=64)
     assert bench.gemv_floor_ms(eng.model) > 0 and bench.copy_bandwidth(CPU) > 0
+
+
+class PacedDecoder:
+    """A stand-in decoder whose passes cost `work` seconds a token times the machine's pace, which doubles after
+    every `per_pace` passes of all decoders (a machine slowing down between rounds); it logs its name per pass."""
+
+    def __init__(self, name: str, work: float, machine: dict):
+        self.name, self.work, self.machine = name, work, machine
+
+    def generate(self, prompt, n, sampling=None, seed=0, timed_phases=False):
+        from types import SimpleNamespace
+        m = self.machine
+        if n > 8 and not timed_phases and prompt == m["first"]:  # a pass starts with the first prompt
+            m["log"].append(self.name)
+        pace = 2.0 ** (max(len(m["log"]) - 1, 0) // m["per_pace"])
+        s = n * self.work * pace
+        return SimpleNamespace(decode_tokens=n, decode_s=s, verify_cycles=n, token_ids=[0] * n,
+                               draft_s=0.0, verify_s=s, other_s=0.0)
+
+
+def test_interleaved_rounds_pair_their_passes():
+    """Rounds rotate the decoders' order, and each round's passes share the machine's pace: the ratio taken round by
+    round is the work's ratio, however the pace moved between rounds."""
+    prompts = [[1, 2], [3]]
+    machine = {"log": [], "per_pace": 2, "first": prompts[0]}
+    decs = {"base": PacedDecoder("base", 2e-3, machine), "spec": PacedDecoder("spec", 1e-3, machine)}
+    st = timing.interleaved_cycle_stats(decs, prompts, 16, repeats=3)
+    assert machine["log"] == ["base", "spec", "spec", "base", "base", "spec"]
+    assert st["base"].samples == pytest.approx([500.0, 250.0, 125.0])  # the pace did move between rounds
+    assert timing.paired_ratios(st["spec"], st["base"]) == pytest.approx([2.0, 2.0, 2.0])
+    # measured one decoder after the other (cycle_stats of each), the same machine gives another ratio
+    machine.update(log=[])
+    one_by_one = {n: cycle_stats(d, prompts, 16, repeats=3) for n, d in decs.items()}
+    assert one_by_one["spec"].tok_s / one_by_one["base"].tok_s != pytest.approx(2.0)
+
+
+def test_interleaved_new_tokens_per_decoder():
+    prompts = [[1]]
+    machine = {"log": [], "per_pace": 10**6, "first": prompts[0]}
+    decs = {"a": PacedDecoder("a", 1e-3, machine), "b": PacedDecoder("b", 1e-3, machine)}
+    st = timing.interleaved_cycle_stats(decs, prompts, {"a": 32, "b": 16}, repeats=2)
+    assert st["a"].ms_per_cycle == pytest.approx(1.0) and st["b"].ms_per_cycle == pytest.approx(1.0)
+    assert len(st["a"].token_ids[0]) == 32 and len(st["b"].token_ids[0]) == 16
