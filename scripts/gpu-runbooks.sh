@@ -30,13 +30,8 @@ if [ "${FRESH:-0}" = 1 ]; then
   echo "FRESH=1: removed the installed wheels ($site) and the compile caches"
 fi
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
-    || { echo "could not install the carried wheels" >&2; exit 3; }
-  export PYTHONPATH=$site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+. scripts/carried-wheels.sh
+carried_wheels "$site"
 export SPECBOOK_CORPUS_DIR=$PWD/corpus-archives PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=index,name,memory.used --format=csv,noheader
 

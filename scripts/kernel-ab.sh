@@ -30,13 +30,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
   | grep -q . || { echo "no CUDA device here" >&2; exit 3; }
 
 site=${TMPDIR:-/tmp}/site
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
-    || { echo "could not install the carried wheels" >&2; exit 3; }
-  export PYTHONPATH=$site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+. scripts/carried-wheels.sh
+carried_wheels "$site"
 export PYTHONUNBUFFERED=1
 
 ab() {  # STAGE LIMIT ab-decode.py's arguments...

@@ -38,6 +38,7 @@ def tree(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     (root / "baselines").mkdir()
     (root / "docs" / "runbooks" / "executed").mkdir(parents=True)
     shutil.copy(SCRIPT, root / "scripts")
+    shutil.copy(SCRIPT.parent / "carried-wheels.sh", root / "scripts")
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     for name, text in (("python3", FAKE_PYTHON), ("nvidia-smi", "#!/bin/sh\necho '0, fake GPU, 0 MiB'\n")):

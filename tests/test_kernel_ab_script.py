@@ -27,6 +27,7 @@ def tree(tmp_path: Path, gpu: bool = True) -> tuple[Path, dict[str, str]]:
     root = tmp_path / "repo"
     (root / "scripts").mkdir(parents=True)
     shutil.copy(SCRIPT, root / "scripts")
+    shutil.copy(SCRIPT.parent / "carried-wheels.sh", root / "scripts")
     text = (SCRIPT.read_text().replace("timeout 200 ", "timeout 5 ").replace("ab merge 200", "ab merge 2"))
     (root / "scripts" / "kernel-ab.sh").write_text(text)
     bin_ = tmp_path / "bin"
