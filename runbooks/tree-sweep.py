@@ -66,7 +66,7 @@ from engine.loading import load_model, resolve_device, resolve_dtype
 from engine.sampling import SamplingParams
 from engine.speculate import SpecDecoder
 from engine.target_decoder import TargetDecoder
-from engine.timing import CycleStats, cycle_stats
+from engine.timing import CycleStats, interleaved_cycle_stats, paired_ratios
 from engine.train.drafter import held_out_prompts
 from engine.train.layout import trained_pair_dirs
 from engine.train.tokenizer import load_tokenizer
@@ -93,8 +93,11 @@ print(f"target {target_dir} ({tgt.cfg.num_hidden_layers} layers, hidden {tgt.cfg
 # %% [markdown]
 # ## Greedy: the compiled baseline and every shape
 #
-# Each decoder generates `new_tokens` tokens for every prompt, `repeats` times; the median pass is recorded
-# (engine.timing.cycle_stats, as baseline-eagle3 measures). A further pass with synchronised phases gives cycle ms.
+# The baseline and every shape take turns: in each of `repeats` rounds every decoder makes one pass over the prompts
+# (`new_tokens` tokens each), in an order rotated round by round (engine.timing.interleaved_cycle_stats, as
+# baseline-eagle3 measures). A speedup is the median of the rounds' ratios, two passes made back to back, so a change
+# of the machine's pace between passes cancels; each decoder's median pass is its tok/s. A further pass with
+# synchronised phases gives cycle ms.
 
 # %%
 def label(shape: tuple[int, int, int]) -> str:
@@ -102,13 +105,20 @@ def label(shape: tuple[int, int, int]) -> str:
     return f"k{k}x{K}n{n}"
 
 
-def measure(make, sampling: SamplingParams = SamplingParams()) -> CycleStats:
-    """One decoder's stats; its graphs are freed before the next decoder captures its own."""
-    st = cycle_stats(make(), prompts, new_tokens, repeats, seed, sampling)
+def measure(makers: dict, sampling: SamplingParams = SamplingParams()) -> dict[str, CycleStats]:
+    """The named decoders measured in interleaved rounds; their graphs are freed before the next group captures."""
+    stats = interleaved_cycle_stats({name: make() for name, make in makers.items()}, prompts, new_tokens, repeats,
+                                    seed, sampling)
     gc.collect()
     if graphs:
         torch.cuda.empty_cache()
-    return st
+    return stats
+
+
+def paired(num: CycleStats, den: CycleStats) -> dict:
+    """A speedup: the median of the rounds' ratios (each of two passes made back to back), the ratios its samples."""
+    ratios = paired_ratios(num, den)
+    return {"value": sorted(ratios)[len(ratios) // 2], "samples": ratios}
 
 
 def baseline(**kw) -> TargetDecoder:
@@ -120,8 +130,9 @@ def spec(shape: tuple[int, int, int], **kw) -> SpecDecoder:
     return SpecDecoder(tgt, dft, max_seq_len, k, K, n, compile=torch_compile, **kw)
 
 
-base = measure(baseline)
-greedy = {s: measure(lambda s=s: spec(s)) for s in shapes}
+swept = measure({"baseline": baseline, **{label(s): lambda s=s: spec(s) for s in shapes}})
+base = swept["baseline"]
+greedy = {s: swept[label(s)] for s in shapes}
 
 
 def same_tokens(a: CycleStats, b: CycleStats) -> float:
@@ -130,7 +141,7 @@ def same_tokens(a: CycleStats, b: CycleStats) -> float:
 
 
 def speedup(s: tuple[int, int, int]) -> float:
-    return greedy[s].tok_s / base.tok_s
+    return paired(greedy[s], base)["value"]
 
 
 best = max(shapes, key=speedup)
@@ -152,10 +163,11 @@ print(f"best: {label(best)} ({speedup(best):.2f}x); best tree: {label(best_tree)
 
 # %%
 sampling = SamplingParams(temperature=temperature)
-sampled_base = measure(baseline, sampling)
-sampled = {s: measure(lambda s=s: spec(s), sampling) for s in (chain, best_tree)}
+drawn = measure({"baseline": baseline, **{label(s): lambda s=s: spec(s) for s in (chain, best_tree)}}, sampling)
+sampled_base = drawn["baseline"]
+sampled = {s: drawn[label(s)] for s in (chain, best_tree)}
 for s, st in sampled.items():
-    print(f"T={temperature} {label(s):12} {st.tok_s:9.1f} tok/s, {st.tok_s / sampled_base.tok_s:.2f}x the sampled "
+    print(f"T={temperature} {label(s):12} {st.tok_s:9.1f} tok/s, {paired(st, sampled_base)['value']:.2f}x the sampled "
           f"baseline ({sampled_base.tok_s:.1f} tok/s), accept length {st.accept_length:.2f} "
           f"(greedy {greedy[s].accept_length:.2f})")
 
@@ -170,11 +182,14 @@ for s, st in sampled.items():
 
 # %%
 mode = Deterministic.chain(chain[0], dft)
-det_base = measure(lambda: baseline(deterministic=mode))
-det_spec = measure(lambda: spec(chain, deterministic=True))
+# the fast chain and baseline again, in the same rounds, so that the deterministic mode's cost is a paired ratio too
+det = measure({"baseline": lambda: baseline(deterministic=mode), "chain": lambda: spec(chain, deterministic=True),
+               "fast_chain": lambda: spec(chain), "fast_baseline": baseline})
+det_base, det_spec = det["baseline"], det["chain"]
+det_cost = paired(det_spec, det["fast_chain"])
 det_match, fast_match = same_tokens(det_spec, det_base), same_tokens(greedy[chain], base)
 print(f"deterministic: baseline {det_base.tok_s:.1f} tok/s, {label(chain)} {det_spec.tok_s:.1f} tok/s "
-      f"({det_spec.tok_s / greedy[chain].tok_s:.2f}x the fast chain); same tokens as its baseline on {det_match:.0%} "
+      f"({det_cost['value']:.2f}x the fast chain); same tokens as its baseline on {det_match:.0%} "
       f"of prompts (fast mode: {fast_match:.0%})")
 
 # %%
@@ -188,7 +203,7 @@ for s in shapes:
         ax.annotate(label(s), (x, speedup(s)), fontsize=7, xytext=(3, 3), textcoords="offset points")
 for s, st in sampled.items():
     for ax, x in ((a1, s[2]), (a2, st.accept_length)):
-        ax.plot([x], [st.tok_s / sampled_base.tok_s], "x", color="tab:red")
+        ax.plot([x], [paired(st, sampled_base)["value"]], "x", color="tab:red")
 a1.plot([], [], "o", color="tab:blue", label="chain, greedy")
 a1.plot([], [], "o", color="tab:green", label="tree, greedy")
 a1.plot([], [], "x", color="tab:red", label=f"sampled, T={temperature}")
@@ -227,10 +242,11 @@ for s in shapes:
     record(f"accept_length.{name}", st.accept_length, unit="tokens/cycle", direction="none", **tol(given),
            description=f"{how}: decode tokens per verify cycle, bonus token included")
     record(f"tok_s.{name}", st.tok_s, unit="tok/s", rel_tol=rel_tol, samples=st.samples, description=how)
-    record(f"speedup.{name}", speedup(s), unit="x", rel_tol=rel_tol, description=f"{how}: over the baseline")
+    record(f"speedup.{name}", **paired(st, base), unit="x", rel_tol=rel_tol,
+           description=f"{how}: over the baseline, the median of the rounds' paired ratios")
     record(f"cycle_ms.{name}", st.ms_per_cycle, unit="ms", direction="lower", rel_tol=rel_tol,
            description=f"{how}: wall time per verify cycle")
-record("best_speedup", speedup(best), unit="x", rel_tol=rel_tol,
+record("best_speedup", **paired(greedy[best], base), unit="x", rel_tol=rel_tol,
        description=f"{what}: the fastest shape of the sweep, {label(best)} ({best[0]} steps, topk {best[1]}, "
                    f"{best[2]} draft tokens), over the baseline")
 # which shape wins is itself a timing result, so its accept length is noisy even on CPU
@@ -242,7 +258,7 @@ record("sampled_baseline_tok_s", sampled_base.tok_s, unit="tok/s", rel_tol=rel_t
        description=f"{sampled_what}: the target alone")
 for key, s in (("chain", chain), ("tree", best_tree)):
     st = sampled[s]
-    record(f"{key}_sampled_speedup", st.tok_s / sampled_base.tok_s, unit="x", rel_tol=rel_tol,
+    record(f"{key}_sampled_speedup", **paired(st, sampled_base), unit="x", rel_tol=rel_tol,
            description=f"{sampled_what}: {label(s)} over the sampled baseline")
     # the chain is a parameter (exact on CPU); the best tree is picked by a timing (noisy everywhere)
     record(f"{key}_sampled_accept_length", st.accept_length, unit="tokens/cycle", direction="none",
@@ -259,7 +275,7 @@ record("deterministic_tok_s", det_spec.tok_s, unit="tok/s", rel_tol=rel_tol, sam
        description=f"{det_what}: deterministic EAGLE-3")
 record("deterministic_baseline_tok_s", det_base.tok_s, unit="tok/s", rel_tol=rel_tol, samples=det_base.samples,
        description=f"{det_what}: the deterministic baseline (decode step at the verify's width)")
-record("deterministic_over_fast", det_spec.tok_s / greedy[chain].tok_s, unit="x", rel_tol=rel_tol,
+record("deterministic_over_fast", **det_cost, unit="x", rel_tol=rel_tol,
        description=f"{det_what}: deterministic EAGLE-3 tok/s over fast-mode EAGLE-3 tok/s (1 = free)")
-record("deterministic_speedup", det_spec.tok_s / base.tok_s, unit="x", rel_tol=rel_tol,
+record("deterministic_speedup", **paired(det_spec, det["fast_baseline"]), unit="x", rel_tol=rel_tol,
        description=f"{det_what}: deterministic EAGLE-3 over the fast baseline")
