@@ -20,6 +20,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 [ "$#" -ge 1 ] || { echo "usage: $0 'CMD;CMD' ['CMD;CMD' ...]  (one chain per GPU)" >&2; exit 2; }
 [ -n "${SPECBOOK_GIT_COMMIT:-}" ] || { echo "set SPECBOOK_GIT_COMMIT to the commit this tree was sent at" >&2; exit 2; }
+# A .git that came along is the sending checkout's as it was when its session began: it need not know a commit made
+# since. Then git is not asked (specbook checks the sent commit's form alone, as on a copy without .git).
+if [ -e .git ] && ! git cat-file -e "$SPECBOOK_GIT_COMMIT^{commit}" 2>/dev/null; then
+  echo "the .git that came along does not know $SPECBOOK_GIT_COMMIT (an older copy): recorded without asking it"
+  export GIT_DIR=/nonexistent/.git
+fi
 out=${OUT:-/tmp/gpu-runbooks}
 mkdir -p "$out" logs && rm -f logs/gpu*.rc
 tmp=${TMPDIR:-/tmp}

@@ -21,6 +21,7 @@ echo "ran $*"
 case "$1" in
   sleep) sleep "$2" ;;
   fail) exit "$2" ;;
+  git-dir) echo "GIT_DIR=${GIT_DIR:-unset}" ;;
   record) echo "$2" > "baselines/$2.yaml" ;;
   verify)  # the lines a verify on one GPU logs as its runbooks start and end, then one still running
     echo "[0] a/h200: started" >&2
@@ -131,3 +132,19 @@ def test_a_cut_run_says_which_runbooks_were_still_running(tmp_path):
     assert p.returncode == 124
     assert re.search(ROW.format(key="b/h200", end="running", wall="-", runs=0, kernel="-", cells="-", code="-"), out)
     assert "logs/summary.txt" in members(tmp_path)
+
+
+def test_a_git_copy_that_does_not_know_the_sent_commit_is_not_asked(tmp_path):
+    """A lent machine gets the sending checkout's .git as it was when the session began; a commit made since is
+    unknown there, and specbook would refuse it: the script then hides that .git (and keeps one that knows it)."""
+    root, env = tree(tmp_path)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(git + ["init", "-q"], cwd=root, check=True)
+    subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "old"], cwd=root, check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+    for sent, hidden in (("f" * 40, True), (head, False)):
+        r = subprocess.run(["bash", "scripts/gpu-runbooks.sh", "git-dir"], cwd=root,
+                           env={**env, "SPECBOOK_GIT_COMMIT": sent}, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        log = (tmp_path / "out" / "gpu0.log").read_text()
+        assert ("GIT_DIR=/nonexistent/.git" in log) is hidden and ("GIT_DIR=unset" in log) is not hidden, log
