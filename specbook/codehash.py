@@ -172,8 +172,30 @@ def imported(node: ast.AST, module: str = "", is_package: bool = False) -> set[s
     return names
 
 
+# Fields a newer Python's parser adds to every node of a kind (3.12: PEP 695's type_params); left out when empty, so
+# that a record made on another interpreter (a lent GPU's) hashes the same code alike.
+_NEWER_FIELDS = ("type_params",)
+# 3.13's ast.dump leaves out empty fields unless told otherwise; keep them, as older versions print them
+_DUMP_KW = {"show_empty": True} if "show_empty" in ast.dump.__code__.co_varnames else {}
+
+
+def _dump(node: ast.AST) -> str:
+    """ast.dump in one form on every Python version this runs on: the newer fields left out where empty."""
+    newer = [(n, f) for n in ast.walk(node) for f in _NEWER_FIELDS if f in n._fields and getattr(n, f, None) == []]
+    if not newer:
+        return ast.dump(node, include_attributes=False, **_DUMP_KW)
+    saved = [(n, n.__class__) for n, _ in newer]
+    try:
+        for n, f in newer:  # a subclass without the field, for this dump only
+            n.__class__ = type(n.__class__.__name__, (n.__class__,), {"_fields": tuple(x for x in n._fields if x != f)})
+        return ast.dump(node, include_attributes=False, **_DUMP_KW)
+    finally:
+        for n, cls in saved:
+            n.__class__ = cls
+
+
 def _digest(node: ast.AST) -> str:
-    return hashlib.sha256(ast.dump(node, include_attributes=False).encode()).hexdigest()[:16]
+    return hashlib.sha256(_dump(node).encode()).hexdigest()[:16]
 
 
 @functools.lru_cache(maxsize=2048)  # keyed by content: status resolves every runbook on every profile

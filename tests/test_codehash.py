@@ -202,3 +202,22 @@ def test_on_the_engine_the_gpu_preset_is_outside_every_cpu_record(tmp_path):
     changed = {k for k in before if after[k] != before[k]}
     assert changed and all(k.split("/")[1].split(".")[0] in ("h200", "h100") for k in changed), changed
     assert {f"{rb}/h200" for rb in ("train-target", "train-drafter", "finetune-drafter", "scale-data")} <= changed
+
+
+def test_a_newer_pythons_empty_fields_hash_as_an_older_ones():
+    """Python 3.12 gives every def an empty `type_params`; a record made there (a lent GPU) must hash the same code as
+    one made on 3.11 does. Planted here: the def's class given that field, empty."""
+    import ast
+
+    from specbook.codehash import _digest
+
+    plain = ast.parse("def f(x):\n    return x + 1\n").body[0]
+    newer = ast.parse("def f(x):\n    return x + 1\n").body[0]
+    if "type_params" not in newer._fields:
+        fields = ast.FunctionDef._fields + ("type_params",)
+        newer.__class__ = type("FunctionDef", (ast.FunctionDef,), {"_fields": fields})
+    newer.type_params = []
+    assert "type_params=[]" in ast.dump(newer)  # the plant took
+    assert _digest(newer) == _digest(plain)
+    changed = ast.parse("def f(x):\n    return x + 2\n").body[0]
+    assert _digest(changed) != _digest(plain)
