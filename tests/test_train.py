@@ -486,3 +486,39 @@ def test_profile_train_script_times_and_profiles_a_step(capsys):
     with pytest.raises(SystemExit) as e:
         mod.main(["--steps", "0"])
     assert e.value.code == 2
+
+
+def load_script(name: str):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / name
+    spec = importlib.util.spec_from_file_location(name.replace("-", "_").removesuffix(".py"), path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ab_train_script_measures_each_variant_exactly_and_apart(world, tmp_path, capsys):
+    """scripts/ab-train.py: the base run and each variant train on one target and get exact accept lengths (a
+    variant equal to the base gets the base's numbers; one with other training gets its own); bad input exits 2."""
+    mod = load_script("ab-train.py")
+    tiny = ("seq_len=32,regen_tokens=12,samples=16,regen_batch=16,steps=6,warmup=1,batch_size=4,ttt_steps=3,"
+            "draft_vocab_size=200,data_bytes=1000000000")
+    args = [str(tmp_path / "ab"), "--preset", "cpu", "--device", "cpu", "--target", str(world["target"].path),
+            "--base", tiny, "--variant", "same:lr=0.003", "--variant", "long:steps=30", "--chain", "3",
+            "--eval-prompts", "2", "--headline-prompts", "2", "--prompt-len", "16", "--new-tokens", "12", "--json"]
+    assert mod.main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = {r["variant"]: r for r in out["rows"]}
+    assert set(rows) == {"base", "same", "long"} and out["failed"] == []
+    assert rows["same"]["final_loss"] == rows["base"]["final_loss"]  # cpu preset lr is 3e-3: the same run
+    assert rows["same"]["headline"] == rows["base"]["headline"] and rows["same"]["heldout"] == rows["base"]["heldout"]
+    assert rows["long"]["run"]["steps"] == 30 and rows["long"]["final_loss"] != rows["base"]["final_loss"]
+    for r in rows.values():
+        assert 1.0 <= r["headline"] <= 4.0 and 1.0 <= r["heldout"] <= 4.0  # chain of 3, bonus token included
+    assert json.loads((tmp_path / "ab" / "ab-train.json").read_text())["rows"] == out["rows"]
+    for bad in (["--variant", "x:nosuchfield=1"], ["--variant", "base:lr=1"], ["--variant", "noequals"],
+                ["--jobs", "0"]):
+        with pytest.raises(SystemExit) as e:
+            mod.main([str(tmp_path / "ab2"), "--preset", "cpu", *bad])
+        assert e.value.code == 2
