@@ -105,8 +105,8 @@ gpu = Preset(  # sized so that every h200 runbook, trained with deterministic ke
                        data_bytes=16_000_000, ckpt_every=80, eval_every=80, eval_batches=8, seed=1),
     # the drafter learns from answers as long as the ones it is measured on (baseline-eagle3 and the accept-length
     # evals generate 256 tokens): with 128-token answers it drafted well for 128 tokens and worse after them
-    drafter=DrafterRun(mix="A", steps=500, lr=1e-3, warmup=30, batch_size=8, seq_len=512,
-                       data_bytes=8_000_000, draft_vocab_size=8192, samples=4096, regen_tokens=256,
+    drafter=DrafterRun(mix="A", steps=1000, lr=1e-3, warmup=30, batch_size=16, seq_len=512,
+                       data_bytes=8_000_000, draft_vocab_size=8192, samples=8192, regen_tokens=256,
                        regen_batch=512, ckpt_every=250),
     finetune=DrafterRun(mix="B", steps=150, lr=3e-4, warmup=15, batch_size=8, seq_len=512,
                         data_bytes=4_000_000, draft_vocab_size=8192, samples=1024, regen_tokens=256,
