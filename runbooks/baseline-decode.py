@@ -28,6 +28,7 @@
 #          long_context: 32768}
 # timeout: 3600
 # cell_timeout: 2400
+# gpu_memory_gib: 40  # on its GPU profiles: the 8B shape's bf16 weights, a 32K-token cache, the compiled graphs and the peer
 # ```
 
 # %% tags=["parameters"]

@@ -37,6 +37,7 @@
 #               repeats: 2, torch_compile: true, rel_tol: 0.15}
 # timeout: 3600
 # cell_timeout: 2400
+# gpu_memory_gib: 12  # on its GPU profiles: the miniature pair, compiled
 # ```
 
 # %% tags=["parameters"]

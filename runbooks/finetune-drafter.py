@@ -30,6 +30,7 @@
 #                     chain_steps: 3}
 # timeout: 3600
 # cell_timeout: 3000
+# gpu_memory_gib: 16  # on its GPU profiles: train-drafter's preset, fine-tuning
 # ```
 
 # %% tags=["parameters"]

@@ -33,6 +33,7 @@
 #                     specforge_repo: /opt/SpecForge, chain_steps: 3}
 # timeout: 1800
 # cell_timeout: 1500
+# gpu_memory_gib: 12  # on its GPU profiles: two miniature targets and a drafter, inference
 # ```
 
 # %% tags=["parameters"]

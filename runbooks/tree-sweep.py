@@ -35,6 +35,7 @@
 #          n_prompts: 8, prompt_len: 128, new_tokens: 256, repeats: 2, rel_tol: 0.15}
 # timeout: 3600
 # cell_timeout: 2400
+# gpu_memory_gib: 12  # on its GPU profiles: the miniature pair, trees of up to 64 tokens
 # ```
 
 # %% tags=["parameters"]

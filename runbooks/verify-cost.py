@@ -28,6 +28,7 @@
 #          rel_tol: 0.15}
 # timeout: 3600
 # cell_timeout: 3000
+# gpu_memory_gib: 24  # on its GPU profiles: the 8B shape's weights and a drafter
 # ```
 
 # %% tags=["parameters"]

@@ -179,8 +179,24 @@ _NEWER_FIELDS = ("type_params",)
 _DUMP_KW = {"show_empty": True} if "show_empty" in ast.dump.__code__.co_varnames else {}
 
 
+def _empty_text(n: ast.AST) -> bool:
+    return isinstance(n, ast.Constant) and n.value == ""
+
+
 def _dump(node: ast.AST) -> str:
-    """ast.dump in one form on every Python version this runs on: the newer fields left out where empty."""
+    """ast.dump in one form on every Python version this runs on: the newer fields left out where empty, and the
+    empty text parts of f-strings too (3.12 ends a nested format spec, `{k:<{w}}`, with Constant(''))."""
+    joined = [(n, n.values) for n in ast.walk(node) if isinstance(n, ast.JoinedStr) and any(map(_empty_text, n.values))]
+    try:
+        for n, values in joined:
+            n.values = [v for v in values if not _empty_text(v)]
+        return _dump_fields(node)
+    finally:
+        for n, values in joined:
+            n.values = values
+
+
+def _dump_fields(node: ast.AST) -> str:
     newer = [(n, f) for n in ast.walk(node) for f in _NEWER_FIELDS if f in n._fields and getattr(n, f, None) == []]
     if not newer:
         return ast.dump(node, include_attributes=False, **_DUMP_KW)

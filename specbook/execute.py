@@ -39,7 +39,7 @@ from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from papermill.exceptions import PapermillExecutionError
 from traitlets.config import Config
 
-from specbook import RunFailed, SpecbookError, Terminated, cpuload, parallel, records
+from specbook import RunFailed, SpecbookError, Terminated, cpuload, gpumem, parallel, records
 from specbook.fsutil import atomic_write
 from specbook.provenance import engine_hash, fingerprint, gpus, input_fingerprint, inputs_hash, kernel_environ, now_iso
 from specbook.record import RECORD_FILE_ENV, Metric, read_metrics
@@ -387,16 +387,22 @@ def _execute_target(root: Path, t: Target, *, record: bool, progress: bool, log,
     (t.outputs_dir / DONE).unlink(missing_ok=True)
     work = _new_run_dir(root / RUNS, t)
     notebook = work / f"{t.rb.name}-{t.profile}.ipynb"
-    others = cpuload.Others.start()
+    others, peak = cpuload.Others.start(), gpumem.Peak.start()
     try:
-        ex = execute(root, t.rb, t.injected(), notebook, progress)
+        try:
+            ex = execute(root, t.rb, t.injected(), notebook, progress)
+        finally:
+            gib = peak.stop()
+        if gib is not None and t.rb.gpu_memory_gib and gib > t.rb.gpu_memory_gib:
+            log(f"{t.rb.name}/{t.profile} took {gib:.1f} GiB of GPU memory; its header declares gpu_memory_gib "
+                f"{t.rb.gpu_memory_gib:g}: raise it, or a record may put it beside runbooks the card cannot hold")
         if missing := [m for m in t.rb.reproduces if m not in {x.name for x in ex.metrics}]:
             raise RunFailed(f"runbook {t.rb.name} declares reproduces {missing} but did not record them "
                             f"(notebook: {notebook})")
         seconds, share = _lap(), others.share()
         if record and ex.metrics:
             _refuse_busy(t, ex, share, notebook)
-        run_id = _record_run(root, t, ex, seconds, share, log) if record and ex.metrics else None
+        run_id = _record_run(root, t, ex, seconds, share, log, gib) if record and ex.metrics else None
         kept = _publish(notebook, root / (EXECUTED if record else LOCAL_EXECUTED) / f"{t.rb.name}-{t.profile}.ipynb")
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM
         shutil.rmtree(work, ignore_errors=True)  # no message names it
@@ -583,7 +589,7 @@ def _refuse_busy(t: Target, ex: Execution, share: float | None, notebook: Path) 
 
 
 def _record_run(root: Path, t: Target, ex: Execution, seconds: float, share: float | None,
-                log: Callable[[str], None]) -> str:
+                log: Callable[[str], None], gpu_gib: float | None = None) -> str:
     date = now_iso()
     params = _plain_data(t.params)
     run = {"id": records.new_run_id(date), "date": date, "source": "measured", "inputs_hash": t.inputs_hash,
@@ -591,6 +597,8 @@ def _record_run(root: Path, t: Target, ex: Execution, seconds: float, share: flo
            "provenance": _plain_data(fingerprint(root, t.rb.hashed_source, params, t.all_inputs()))}
     if share is not None:
         run["provenance"]["others_cpu_share"] = round(share, 3)  # what else ran on the machine meanwhile
+    if gpu_gib is not None:
+        run["provenance"]["gpu_peak_gib"] = round(gpu_gib, 1)  # what its header's gpu_memory_gib should cover
     if dropped := records.add_run(root, t.rb.name, t.profile, run, ex.metrics):
         log(f"dropped from the {t.profile} record, which this run no longer measures: {', '.join(dropped)}")
     return run["id"]

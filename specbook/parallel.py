@@ -33,6 +33,7 @@ holds its GPU itself (exclusive).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -100,6 +101,7 @@ class Job:
     profile: str
     after: frozenset[str]  # keys of the jobs that must finish first
     exclusive: bool = True  # it times something: no other job on its GPU meanwhile
+    memory_gib: float = 0.0  # the GPU memory it declares (runbook header gpu_memory_gib); 0: not declared
 
     @property
     def key(self) -> str:
@@ -115,12 +117,17 @@ class Finished:
     slot: str
 
 
-def sharing(lock: bool) -> str:
+def sharing(lock: bool, memory: dict[str, float] | None = None) -> str:
     """How runbooks share a GPU, in words, for the log lines of verify and record."""
     if lock:
-        return (f"one that times something has its GPU to itself while it times (the timing lock): up to {TIMERS} "
-                f"that time something and {SHARE} whose numbers are all exact share one")
-    return f"one that times something has its GPU to itself, up to {SHARE} whose numbers are all exact share one"
+        words = (f"one that times something has its GPU to itself while it times (the timing lock): up to {TIMERS} "
+                 f"that time something and {SHARE} whose numbers are all exact share one")
+    else:
+        words = f"one that times something has its GPU to itself, up to {SHARE} whose numbers are all exact share one"
+    if memory:
+        cards = ", ".join(f"{s}: {g:.0f} GiB" for s, g in memory.items())
+        words += f", while the GPU memory their headers declare fits the card ({cards})"
+    return words
 
 
 def chain_lengths(jobs: list[Job]) -> dict[str, int]:
@@ -140,13 +147,14 @@ def chain_lengths(jobs: list[Job]) -> dict[str, int]:
 
 
 def schedule(jobs: list[Job], slots: list[str], start: Callable[[Job, str], subprocess.Popen],
-             log: Callable[[str], None], poll_s: float = 0.2, share: int = 1, lock: bool = False) -> list[Finished]:
+             log: Callable[[str], None], poll_s: float = 0.2, share: int = 1, lock: bool = False,
+             memory: dict[str, float] | None = None) -> list[Finished]:
     """Run every job on one of `slots` (GPUs), dependencies first: an exclusive job alone on its slot, the others up
     to `share` at a time on a slot without an exclusive one; with `lock` (the timing lock), up to TIMERS exclusive
-    jobs and `share` others at once on a slot. A job whose dependency failed still runs: its own verify then builds what it needs, or
-    fails with the reason."""
-    keys = {j.key for j in jobs}
-    jobs = [Job(j.name, j.profile, frozenset(a for a in j.after if a in keys), j.exclusive) for j in jobs]
+    jobs and `share` others at once on a slot. With `memory` (GiB of each slot's card), a job joins others on a slot
+    only while their declared memory and its own fit the card. A job whose dependency failed still runs: its own
+    verify then builds what it needs, or fails with the reason."""
+    jobs = _within(jobs)
     rank = chain_lengths(jobs)
     waiting = sorted(jobs, key=lambda j: -rank[j.key])
     on: dict[str, list[Job]] = {s: [] for s in slots}  # what runs on each slot
@@ -154,7 +162,7 @@ def schedule(jobs: list[Job], slots: list[str], start: Callable[[Job, str], subp
     finished_keys: set[str] = set()
     while waiting or running:
         for job in [j for j in waiting if j.after <= finished_keys]:
-            slot = _place(job, on, share, lock)
+            slot = _place(job, on, share, lock, memory)
             if slot is None:
                 continue
             on[slot].append(job)
@@ -176,14 +184,13 @@ def schedule(jobs: list[Job], slots: list[str], start: Callable[[Job, str], subp
 
 
 def estimate(jobs: list[Job], slots: list[str], seconds: dict[str, float], share: int = 1,
-             lock: bool = False) -> float:
+             lock: bool = False, memory: dict[str, float] | None = None) -> float:
     """Wall seconds `schedule` would take if each job ran as long as `seconds` says (0 where unknown) and jobs that
     share a slot did not slow each other: the same order and placement, simulated. A lower bound for shared jobs
     (they compete for the GPU, and timing ones take turns at their timed sections), exact for the others."""
     if not slots:
         raise ValueError("no slot to run on")
-    keys = {j.key for j in jobs}
-    jobs = [Job(j.name, j.profile, frozenset(a for a in j.after if a in keys), j.exclusive) for j in jobs]
+    jobs = _within(jobs)
     rank = chain_lengths(jobs)
     waiting = sorted(jobs, key=lambda j: -rank[j.key])
     on: dict[str, list[Job]] = {s: [] for s in slots}
@@ -192,7 +199,7 @@ def estimate(jobs: list[Job], slots: list[str], seconds: dict[str, float], share
     now = 0.0
     while waiting or running:
         for job in [j for j in waiting if j.after <= finished]:
-            slot = _place(job, on, share, lock)
+            slot = _place(job, on, share, lock, memory)
             if slot is not None:
                 on[slot].append(job)
                 running.append((now + seconds.get(job.key, 0.0), job, slot))
@@ -205,17 +212,45 @@ def estimate(jobs: list[Job], slots: list[str], seconds: dict[str, float], share
     return now
 
 
-def _place(job: Job, on: dict[str, list[Job]], share: int, lock: bool = False) -> str | None:
+def _within(jobs: list[Job]) -> list[Job]:
+    """The jobs with their dependencies cut to those among them."""
+    keys = {j.key for j in jobs}
+    return [dataclasses.replace(j, after=frozenset(a for a in j.after if a in keys)) for j in jobs]
+
+
+def _place(job: Job, on: dict[str, list[Job]], share: int, lock: bool = False,
+           memory: dict[str, float] | None = None) -> str | None:
     """A slot the job may start on now, the least busy first; None: wait. An exclusive job needs, with the lock, a
     slot with fewer than TIMERS exclusive ones, and without it a slot to itself; the others a slot with fewer than
-    `share` of their kind, and without the lock one where no exclusive job runs."""
+    `share` of their kind, and without the lock one where no exclusive job runs. With `memory`, a slot where others
+    run also needs room on its card for the job's declared memory (a job alone always fits: it has the whole card)."""
     def fits(s: str) -> bool:
         timing = [j for j in on[s] if j.exclusive]
+        if on[s] and memory and s in memory and sum(j.memory_gib for j in on[s]) + job.memory_gib > memory[s]:
+            return False
         if job.exclusive:
             return len(timing) < TIMERS if lock else not on[s]
         return len(on[s]) - len(timing) < share and (lock or not timing)
 
     return min((s for s in on if fits(s)), key=lambda s: len(on[s]), default=None)
+
+
+def card_memory(slots: list[str]) -> dict[str, float]:
+    """GiB of each GPU among `slots` (CUDA ids), from nvidia-smi; {} where it cannot say (no NVIDIA GPU or tool):
+    then nothing is held back for memory."""
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    out = {}
+    for line in r.stdout.splitlines() if r.returncode == 0 else []:
+        index, _, mib = line.partition(",")
+        try:
+            out[index.strip()] = float(mib) / 1024
+        except ValueError:
+            continue
+    return {s: out[s] for s in slots if s in out}
 
 
 def child(root: Path, scratch: Path, log: Callable[[str], None], argv: Callable[[Job], list[str]],

@@ -14,7 +14,7 @@ from typing import Callable
 
 from specbook import RunFailed, project
 from specbook.execute import run, target
-from specbook.parallel import SHARE, Job, record_child, schedule, sharing
+from specbook.parallel import SHARE, Job, card_memory, record_child, schedule, sharing
 from specbook.runbooks import check_name, discover, load
 from specbook.verify import times_something
 
@@ -47,18 +47,19 @@ def jobs(root: Path, profile: str, names: list[str] | None = None) -> list[Job]:
     for n in chosen:
         visit(n)
     return [Job(n, profile, frozenset(f"{d}/{profile}" for d in target(root, n, profile).upstream if d in chosen),
-                exclusive=times_something(root, n, profile)) for n in order]
+                exclusive=times_something(root, n, profile), memory_gib=load(root, n).gpu_memory_gib)
+            for n in order]
 
 
 def record_all(root: Path, todo: list[Job], gpus: list[str], log: Callable[[str], None] = print,
                progress: bool = True) -> list[Recorded]:
     """Record each job's runbook; on `gpus` through children, else one after another here."""
     if gpus:
-        lock = project.settings(root).timing_lock
-        log(f"recording {len(todo)} runbooks on {len(gpus)} GPU(s) ({', '.join(gpus)}): {sharing(lock)} (one without a "
-            "record yet counts as timing)")
+        lock, memory = project.settings(root).timing_lock, card_memory(gpus)
+        log(f"recording {len(todo)} runbooks on {len(gpus)} GPU(s) ({', '.join(gpus)}): {sharing(lock, memory)} (one "
+            "without a record yet counts as timing)")
         done = schedule(todo, gpus, record_child(root, root / ".specbook" / "parallel", log, lock), log, share=SHARE,
-                        lock=lock)
+                        lock=lock, memory=memory)
         return [_from_child(f.job, f.returncode, f.stdout) for f in done]
     out: list[Recorded] = []
     recorded: set[str] = set()

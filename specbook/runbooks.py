@@ -24,10 +24,10 @@ from specbook import RunFailed, SpecbookError, project
 ROOT_ENV = "SPECBOOK_ROOT"
 INJECTED = ("outputs_dir", "upstream")  # set by specbook when the parameters cell declares them
 HEADER_KEYS = {"title", "reproduces", "feeds", "depends", "inputs", "profiles", "timeout", "cell_timeout",
-               "conclusion", "outputs"}
+               "conclusion", "outputs", "gpu_memory_gib"}
 # header blocks that describe rather than compute: left out of the runbook's hash (a profile's parameters reach it as
-# parameters), so adding a variant profile or naming the outputs leaves the records current
-UNHASHED_KEYS = ("profiles", "outputs")
+# parameters), so adding a variant profile, naming the outputs or declaring the GPU memory leaves the records current
+UNHASHED_KEYS = ("profiles", "outputs", "gpu_memory_gib")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool, "list": list, "dict": dict}
 
@@ -61,6 +61,9 @@ class Runbook:
     # what a person takes away from a run: `paths` (name in the outputs directory -> what it is) and `command` (a
     # command line using them; {python}, {outputs_dir} and {DEPENDENCY} name the interpreter and outputs dirs)
     outputs: dict[str, Any] = field(default_factory=dict)
+    # the most GPU memory a run takes on its GPU profiles (GiB, CUDA context included): runbooks sharing a GPU in a
+    # record or verify start only while their declared memory fits the card's (specbook.parallel); 0: not declared
+    gpu_memory_gib: float = 0.0
 
     @property
     def source(self) -> str:
@@ -157,7 +160,7 @@ def load(root: Path, name: str) -> Runbook:
     rb = Runbook(name=name, path=path, title=header["title"], profiles=with_same_parameters(root, header["profiles"]),
                  parameters=params,
                  **{k: header[k] for k in ("reproduces", "feeds", "depends", "inputs", "timeout", "cell_timeout",
-                                           "conclusion", "outputs") if k in header})
+                                           "conclusion", "outputs", "gpu_memory_gib") if k in header})
     for profile, overrides in rb.profiles.items():
         for k, v in overrides.items():
             rb.profiles[profile][k] = check_value(rb, k, v, where=f"profile {profile}")
@@ -220,9 +223,9 @@ def _header(path: Path, nb, root: Path) -> dict[str, Any]:
     _check_outputs(path, h.get("outputs", {}))
     if not isinstance(h.get("conclusion", ""), str):
         raise SpecbookError(f"{path}: header key conclusion must be a string with {{metric:spec}} fields")
-    for key in ("timeout", "cell_timeout"):
+    for key, unit in (("timeout", "seconds"), ("cell_timeout", "seconds"), ("gpu_memory_gib", "GiB")):
         if key in h and (isinstance(h[key], bool) or not isinstance(h[key], (int, float)) or h[key] <= 0):
-            raise SpecbookError(f"{path}: header key {key} must be a positive number of seconds")
+            raise SpecbookError(f"{path}: header key {key} must be a positive number of {unit}")
     from specbook.provenance import known_inputs  # the project's configured inputs and those registered in code
 
     known = known_inputs(root)

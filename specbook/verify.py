@@ -35,7 +35,7 @@ from typing import Any, Callable
 from specbook import RunFailed, SpecbookError, judge, parallel, project, provenance, records, sidebyside
 from specbook.execute import EXECUTED, Target, notebook_seconds, run, target
 from specbook.judge import drift
-from specbook.parallel import SHARE, Job, estimate, schedule, sharing, verify_child
+from specbook.parallel import SHARE, Job, card_memory, estimate, schedule, sharing, verify_child
 from specbook.provenance import canonical, sha
 from specbook.runbooks import check_name, check_profile, discover, load
 
@@ -351,8 +351,10 @@ def plan(root: Path, here: str, names: list[str] | None = None, profile: str | S
     total = sum(seconds.values())
     if not gpus:
         return out, total, total
-    jobs = [Job(x.runbook, x.profile, frozenset(f"{d}/{x.profile}" for d in x.after), not x.shares_gpu) for x in out]
-    return out, estimate(jobs, gpus, seconds, share=SHARE, lock=project.settings(root).timing_lock), total
+    jobs = [Job(x.runbook, x.profile, frozenset(f"{d}/{x.profile}" for d in x.after), not x.shares_gpu,
+                target(root, x.runbook, x.profile).rb.gpu_memory_gib) for x in out]
+    return out, estimate(jobs, gpus, seconds, share=SHARE, lock=project.settings(root).timing_lock,
+                         memory=card_memory(gpus)), total
 
 
 def _share_one_gpu(root: Path, timed: list[bool]) -> bool:
@@ -365,12 +367,11 @@ def _share_one_gpu(root: Path, timed: list[bool]) -> bool:
 def _rerun_parallel(root: Path, todo: list[tuple[str, str, dict, list[Verdict]]], gpus: list[str],
                     log) -> dict[tuple[str, str], list[Verdict]]:
     """Each runbook re-measured by a child `runbook verify` on one GPU, dependencies first."""
-    jobs = [Job(n, p, frozenset(f"{d}/{p}" for d in target(root, n, p).upstream), _times(prof))
-            for n, p, prof, _ in todo]
-    lock = project.settings(root).timing_lock
-    log(f"re-measuring {len(jobs)} runbooks on {len(gpus)} GPU(s) ({', '.join(gpus)}): {sharing(lock)}")
+    jobs = [_job(target(root, n, p), _times(prof)) for n, p, prof, _ in todo]
+    lock, memory = project.settings(root).timing_lock, card_memory(gpus)
+    log(f"re-measuring {len(jobs)} runbooks on {len(gpus)} GPU(s) ({', '.join(gpus)}): {sharing(lock, memory)}")
     done = {f.job.key: f for f in schedule(jobs, gpus, verify_child(root, root / ".specbook" / "parallel", log, lock),
-                                           log, share=SHARE, lock=lock)}
+                                           log, share=SHARE, lock=lock, memory=memory)}
     out = {}
     for n, p, _, static in todo:
         f = done[f"{n}/{p}"]
@@ -381,6 +382,11 @@ def _rerun_parallel(root: Path, todo: list[tuple[str, str, dict, list[Verdict]]]
             out[(n, p)] = [_failed(v, f"its verify on GPU {f.slot} exited {f.returncode} without a verdict; "
                                       "see the log above") if v.here else v for v in static]
     return out
+
+
+def _job(t: Target, timed: bool) -> Job:
+    """A runbook's place in a schedule: what it waits for, whether it times, the GPU memory it declares."""
+    return Job(t.rb.name, t.profile, frozenset(f"{d}/{t.profile}" for d in t.upstream), timed, t.rb.gpu_memory_gib)
 
 
 def _times(prof: dict) -> bool:

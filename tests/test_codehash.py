@@ -221,3 +221,21 @@ def test_a_newer_pythons_empty_fields_hash_as_an_older_ones():
     assert _digest(newer) == _digest(plain)
     changed = ast.parse("def f(x):\n    return x + 2\n").body[0]
     assert _digest(changed) != _digest(plain)
+
+
+def test_a_nested_format_spec_hashes_alike_with_and_without_312s_empty_text():
+    """Python 3.12 ends a nested f-string format spec (`{k:<{w}}`) with Constant(''), which 3.11 leaves out: planted
+    here on a 3.11 tree, the digest stays; a real change of the spec still changes it."""
+    import ast
+
+    from specbook.codehash import _digest
+
+    src = 'def f(k, w):\n    return f"{k:<{w}}!"\n'
+    plain, newer = ast.parse(src).body[0], ast.parse(src).body[0]
+    spec = next(n for n in ast.walk(newer) if isinstance(n, ast.FormattedValue) and n.format_spec).format_spec
+    if not (isinstance(spec.values[-1], ast.Constant) and spec.values[-1].value == ""):
+        spec.values.append(ast.Constant(value=""))
+    assert "Constant(value='')" in ast.dump(newer)  # the plant took
+    assert _digest(newer) == _digest(plain)
+    assert "Constant(value='')" in ast.dump(newer)  # the tree itself is left as it was
+    assert _digest(ast.parse(src.replace("<", ">")).body[0]) != _digest(plain)

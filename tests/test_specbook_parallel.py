@@ -334,3 +334,38 @@ def test_verify_plan_of_two_profiles_schedules_them_together(tmp_path):
     assert d["estimate_s"] > alone["estimate_s"] > 0
     r = cli(root, "verify", "--plan", "--profile", "cpu", "--profile", "h200")
     assert r.exit_code == 2 and "cpu, h200" in r.stderr
+
+
+def test_declared_gpu_memory_keeps_jobs_apart_that_would_not_fit_the_card_together():
+    """Hand-computed, one GPU of 80 GiB with the timing lock: the 8B-shape timer (50 GiB) and the MLA + MoE timer
+    (30 GiB) fit together (80); a drafter training (16 GiB) beside them would not, so it waits for the first to end
+    (10 s), then runs 6 s: 16 s. Without memory declared or without the card's size, all three start at once: 10 s.
+    A job bigger than the card still runs, alone."""
+    e = frozenset()
+    jobs = [Job("decode", "h200", e, memory_gib=50), Job("moe", "h200", e, memory_gib=30),
+            Job("train", "h200", e, exclusive=False, memory_gib=16)]
+    secs = {"decode/h200": 10, "moe/h200": 10, "train/h200": 6}
+    assert estimate(jobs, ["0"], secs, share=3, lock=True, memory={"0": 80}) == 16
+    assert estimate(jobs, ["0"], secs, share=3, lock=True) == 10
+    assert estimate(jobs, ["0"], secs, share=3, lock=True, memory={"1": 80}) == 10  # another card's size
+    undeclared = [Job(j.name, j.profile, j.after, j.exclusive) for j in jobs]
+    assert estimate(undeclared, ["0"], secs, share=3, lock=True, memory={"0": 80}) == 10
+    huge = [Job("big", "h200", e, memory_gib=200), Job("small", "h200", e, exclusive=False, memory_gib=1)]
+    assert estimate(huge, ["0"], {"big/h200": 5, "small/h200": 5}, share=3, lock=True, memory={"0": 80}) == 10
+
+
+def test_card_memory_reads_nvidia_smi_and_says_nothing_without_it(monkeypatch):
+    from specbook import parallel
+
+    def fake(out: str, rc: int = 0):
+        return lambda *a, **k: subprocess.CompletedProcess(a, rc, stdout=out, stderr="")
+
+    monkeypatch.setattr(parallel.subprocess, "run", fake("0, 81559\n1, 143771\n"))
+    assert parallel.card_memory(["1"]) == {"1": pytest.approx(140.4, abs=0.1)}
+    monkeypatch.setattr(parallel.subprocess, "run", fake("", rc=9))
+    assert parallel.card_memory(["0"]) == {}
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+    monkeypatch.setattr(parallel.subprocess, "run", missing)
+    assert parallel.card_memory(["0"]) == {}

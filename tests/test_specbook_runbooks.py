@@ -166,3 +166,16 @@ def test_gpu_profile_and_fingerprint():
     assert fp["gpu"]["names"] and fp["gpu"]["driver"]
     uuids = fp["gpu"]["uuids"]  # the physical cards: one per visible device, all different
     assert len(uuids) == len(set(uuids)) == torch.cuda.device_count() and all(u.startswith("GPU-") for u in uuids)
+
+
+def test_declared_gpu_memory_is_read_checked_and_left_out_of_the_hash(tmp_path):
+    """`gpu_memory_gib` in the header reaches the Runbook; a non-positive one is one clear error; declaring it (or
+    changing it) leaves the runbook's hashed source, and so its records, as they were."""
+    from specbook.runbooks import load
+
+    root = make_repo(tmp_path, plain=runbook_text(), big=runbook_text(extra_header="gpu_memory_gib: 40"),
+                     bad=runbook_text(extra_header="gpu_memory_gib: -1"))
+    assert load(root, "big").gpu_memory_gib == 40 and load(root, "plain").gpu_memory_gib == 0
+    assert load(root, "big").hashed_source == load(root, "plain").hashed_source
+    with pytest.raises(SpecbookError, match="gpu_memory_gib must be a positive number of GiB"):
+        load(root, "bad")

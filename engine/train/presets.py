@@ -104,7 +104,8 @@ gpu = Preset(  # sized so that every h200 runbook, trained with deterministic ke
     target_b=TargetRun(mix="B", steps=80, lr=5e-4, warmup=8, batch_size=32, seq_len=512,
                        data_bytes=16_000_000, ckpt_every=80, eval_every=80, eval_batches=8, seed=1),
     # the drafter learns from answers as long as the ones it is measured on (baseline-eagle3 and the accept-length
-    # evals generate 256 tokens): with 128-token answers it drafted well for 128 tokens and worse after them
+    # evals generate 256 tokens): with 128-token answers it drafted well for 128 tokens and worse after them. Its steps
+    # and batch were chosen by scripts/ab-train.py (findings 30): the drafter was short of data, not of learning rate
     drafter=DrafterRun(mix="A", steps=1000, lr=1e-3, warmup=30, batch_size=16, seq_len=512,
                        data_bytes=8_000_000, draft_vocab_size=8192, samples=8192, regen_tokens=256,
                        regen_batch=512, ckpt_every=250),
