@@ -6,9 +6,11 @@ variant's accept length is an exact number, compared without noise.
 Each variant is a name and overrides of the preset's DrafterRun (`engine.train.presets`); `base` (no overrides) is
 always measured. Target A is trained once (the preset's target run, `--target-set` overriding fields) unless
 `--target` names one. Variants train side by side (`--jobs`, separate processes sharing the GPU). Every variant's
-accept length is measured twice, greedy chain of `--chain` drafts:
+accept length is measured on a chain of `--chain` drafts, greedy twice and sampled once:
   heldout   train-drafter's measure: the preset's held-out prompts, eval_prompts of prompt_chars, max_new_tokens
   headline  baseline-eagle3's: `--headline-prompts` prompts cut to `--prompt-len` tokens, `--new-tokens` each
+  sampled   the headline prompts at `--temperature` (tree-sweep's sampled chain: drafts drawn from the drafter,
+            speculative sampling; seeded, so exact too); 0 leaves it out
 
     python scripts/ab-train.py /tmp/ab --preset gpu --jobs 4 \\
         --variant x4:steps=1000,batch_size=16,samples=8192 --variant lr3:lr=3e-3
@@ -73,11 +75,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--headline-prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.7, help="the sampled measure's (0: none)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one variant, in a child process
     a = ap.parse_args(argv)
     if a.jobs < 1 or a.chain < 1 or min(a.headline_prompts, a.prompt_len, a.new_tokens) < 1:
         ap.error("--jobs, --chain, --headline-prompts, --prompt-len and --new-tokens must be >= 1")
+    if not 0 <= a.temperature < 100:
+        ap.error("--temperature must be >= 0 (0: no sampled measure)")
     names_seen = [n for n, _ in a.variant]
     if "base" in names_seen or len(set(names_seen)) != len(names_seen):
         ap.error("variant names must be unique and not 'base'")
@@ -106,6 +111,26 @@ def ensure_target(a: argparse.Namespace, p: Preset) -> Path:
                         save_dtype=p.dtype).path
 
 
+def sampled_accept_length(model, draft, prompts: list[list[int]], chain: int, new_tokens: int,
+                          temperature: float) -> float:
+    """Tokens per cycle of the sampled chain over the prompts (prompt i drawn with seed i), the bonus included."""
+    from engine.metrics import accept_length
+    from engine.sampling import SamplingParams
+    from engine.speculate import SpecDecoder
+
+    max_len = max(map(len, prompts)) + new_tokens + chain + 2
+    dec = SpecDecoder(model, draft, max_seq_len=max_len, steps=chain, topk=1, draft_tokens=chain + 1)
+    tokens = cycles = 0
+    try:
+        for i, q in enumerate(prompts):
+            r = dec.generate(q, new_tokens, SamplingParams(temperature=temperature), seed=i)
+            tokens, cycles = tokens + r.decode_tokens, cycles + r.verify_cycles
+    finally:
+        model.drop_caches()
+        draft.drop_caches()
+    return accept_length(tokens, cycles)
+
+
 def measure(a: argparse.Namespace, p: Preset, target_dir: Path, name: str, run: DrafterRun) -> dict:
     """Train one variant (resuming a finished one is free) and measure both accept lengths."""
     import torch
@@ -127,7 +152,9 @@ def measure(a: argparse.Namespace, p: Preset, target_dir: Path, name: str, run: 
     row = {"variant": name, "run": dataclasses.asdict(run), "train_s": round(train_s, 1),
            "final_loss": res.final_loss, "step_acc": [round(x, 4) for x in res.step_acc],
            "heldout": accept_length(model, draft, held, a.chain, p.max_new_tokens),
-           "headline": accept_length(model, draft, cut, a.chain, a.new_tokens)}
+           "headline": accept_length(model, draft, cut, a.chain, a.new_tokens),
+           "sampled": sampled_accept_length(model, draft, cut, a.chain, a.new_tokens, a.temperature)
+           if a.temperature else None}
     del model, draft
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -145,13 +172,14 @@ def worker(a: argparse.Namespace, argv: list[str], name: str) -> dict:
 
 def table(rows: list[dict]) -> str:
     base = next((r for r in rows if r["variant"] == "base"), None)
-    lines = [f"{'variant':12s} {'headline':>9s} {'vs base':>8s} {'heldout':>8s} {'step0':>6s} {'loss':>8s} "
-             f"{'train s':>8s}  overrides"]
+    lines = [f"{'variant':12s} {'headline':>9s} {'vs base':>8s} {'heldout':>8s} {'sampled':>8s} {'step0':>6s} "
+             f"{'loss':>8s} {'train s':>8s}  overrides"]
     for r in sorted(rows, key=lambda r: -r["headline"]):
         d = f"{r['headline'] - base['headline']:+.2f}" if base else ""
         diff = {k: v for k, v in r["run"].items() if base and base["run"].get(k) != v}
-        lines.append(f"{r['variant']:12s} {r['headline']:9.3f} {d:>8s} {r['heldout']:8.3f} {r['step_acc'][0]:6.3f} "
-                     f"{r['final_loss']:8.3f} {r['train_s']:8.1f}  {diff or ''}")
+        sampled = "-" if r["sampled"] is None else f"{r['sampled']:.3f}"
+        lines.append(f"{r['variant']:12s} {r['headline']:9.3f} {d:>8s} {r['heldout']:8.3f} {sampled:>8s} "
+                     f"{r['step_acc'][0]:6.3f} {r['final_loss']:8.3f} {r['train_s']:8.1f}  {diff or ''}")
     return "\n".join(lines)
 
 

@@ -506,7 +506,8 @@ def test_ab_train_script_measures_each_variant_exactly_and_apart(world, tmp_path
             "draft_vocab_size=200,data_bytes=1000000000")
     args = [str(tmp_path / "ab"), "--preset", "cpu", "--device", "cpu", "--target", str(world["target"].path),
             "--base", tiny, "--variant", "same:lr=0.003", "--variant", "long:steps=30", "--chain", "3",
-            "--eval-prompts", "2", "--headline-prompts", "2", "--prompt-len", "16", "--new-tokens", "12", "--json"]
+            "--eval-prompts", "2", "--headline-prompts", "2", "--prompt-len", "16", "--new-tokens", "12",
+            "--temperature", "0.7", "--json"]
     assert mod.main(args) == 0
     out = json.loads(capsys.readouterr().out)
     rows = {r["variant"]: r for r in out["rows"]}
@@ -514,11 +515,13 @@ def test_ab_train_script_measures_each_variant_exactly_and_apart(world, tmp_path
     assert rows["same"]["final_loss"] == rows["base"]["final_loss"]  # cpu preset lr is 3e-3: the same run
     assert rows["same"]["headline"] == rows["base"]["headline"] and rows["same"]["heldout"] == rows["base"]["heldout"]
     assert rows["long"]["run"]["steps"] == 30 and rows["long"]["final_loss"] != rows["base"]["final_loss"]
+    assert rows["same"]["sampled"] == rows["base"]["sampled"]  # seeded draws: exact as well
     for r in rows.values():
-        assert 1.0 <= r["headline"] <= 4.0 and 1.0 <= r["heldout"] <= 4.0  # chain of 3, bonus token included
+        for k in ("headline", "heldout", "sampled"):
+            assert 1.0 <= r[k] <= 4.0, (k, r[k])  # chain of 3, bonus token included
     assert json.loads((tmp_path / "ab" / "ab-train.json").read_text())["rows"] == out["rows"]
     for bad in (["--variant", "x:nosuchfield=1"], ["--variant", "base:lr=1"], ["--variant", "noequals"],
-                ["--jobs", "0"]):
+                ["--jobs", "0"], ["--temperature", "-1"]):
         with pytest.raises(SystemExit) as e:
             mod.main([str(tmp_path / "ab2"), "--preset", "cpu", *bad])
         assert e.value.code == 2
