@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from engine.errors import EngineError  # noqa: E402
-from engine.train.presets import DrafterRun, Preset, get_preset, names, with_overrides  # noqa: E402
+from engine.train.presets import FAMILIES, DrafterRun, Preset, get_preset, names, with_overrides  # noqa: E402
 
 
 def overrides(text: str) -> dict:
@@ -63,6 +63,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("out", type=Path, help="working directory (targets, drafters, ab-train.json)")
     ap.add_argument("--preset", default="gpu", choices=names())
     ap.add_argument("--device", default=None, help="cpu or cuda [default: the preset's]")
+    ap.add_argument("--family", default="llama", choices=FAMILIES, help="the target's family (when trained here)")
     ap.add_argument("--variant", type=variant, action="append", default=[], metavar="NAME:FIELD=VALUE,...")
     ap.add_argument("--base", type=overrides, default={}, metavar="FIELD=VALUE,...",
                     help="overrides applied to every variant, base included")
@@ -105,7 +106,7 @@ def ensure_target(a: argparse.Namespace, p: Preset) -> Path:
     from engine.train.tokenizer import eos_id, load_tokenizer
 
     tok_dir = ensure_tokenizer(a.out / "tokenizer", p.vocab_size, p.tokenizer_bytes)
-    cfg = target_config(p, "llama", eos_id=eos_id(load_tokenizer(tok_dir)))
+    cfg = target_config(p, a.family, eos_id=eos_id(load_tokenizer(tok_dir)))
     run = with_overrides(p.target_a, **a.target_set)
     return train_target(a.out / "target-a", run, tok_dir, cfg, device=a.device or p.device,
                         save_dtype=p.dtype).path
@@ -208,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     except EngineError as e:
         print(f"ab-train: {e}", file=sys.stderr)
         return 3
-    report = {"preset": a.preset, "target": str(target_dir), "chain": a.chain, "rows": rows, "failed": failed}
+    report = {"preset": a.preset, "family": a.family, "target": str(target_dir), "chain": a.chain, "rows": rows,
+              "failed": failed}
     (a.out / "ab-train.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report) if a.json else table(rows))
     return 3 if failed else 0
