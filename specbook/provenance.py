@@ -165,6 +165,18 @@ def gpu_uuids() -> tuple[str, ...]:
     return tuple(f"GPU-{torch.cuda.get_device_properties(i).uuid}" for i in range(torch.cuda.device_count()))
 
 
+@functools.lru_cache(maxsize=1)
+def gpu_memory_gib() -> tuple[float, ...]:
+    """Each visible CUDA device's memory in GiB: what a record keeps so that `verify --plan` for its profile, from
+    another machine, packs runbooks onto the card as the scheduler there will (specbook.parallel). Empty without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ()
+    return tuple(round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)
+                 for i in range(torch.cuda.device_count()))
+
+
 def profile_of(names: tuple[str, ...]) -> str:
     if not names:
         return "cpu"
@@ -325,7 +337,7 @@ def machine() -> dict[str, Any]:
     """This machine's kind, as a run's provenance names it: its GPUs and its processor."""
     names = gpus()
     return {"gpu": {"count": len(names), "names": sorted(set(names)), "driver": _driver() if names else None,
-                    "uuids": list(gpu_uuids())},
+                    "uuids": list(gpu_uuids()), "memory_gib": list(gpu_memory_gib())},
             "cpu": {"model": cpu_model(), "count": os.cpu_count(), "isa": cpu_isa()}}
 
 

@@ -353,8 +353,18 @@ def plan(root: Path, here: str, names: list[str] | None = None, profile: str | S
         return out, total, total
     jobs = [Job(x.runbook, x.profile, frozenset(f"{d}/{x.profile}" for d in x.after), not x.shares_gpu,
                 target(root, x.runbook, x.profile).rb.gpu_memory_gib) for x in out]
+    on_it = here == provenance.detect_profile()  # planning on the machine itself: its cards; else the records'
+    memory = card_memory(gpus) if on_it else recorded_card_memory([g[2] for g in todo], gpus)
     return out, estimate(jobs, gpus, seconds, share=SHARE, lock=project.settings(root).timing_lock,
-                         memory=card_memory(gpus)), total
+                         memory=memory), total
+
+
+def recorded_card_memory(profiles: list[dict], gpus: list[str]) -> dict[str, float]:
+    """The card memory a profile's records keep (the smallest any run names), for each of `gpus`: planning a verify
+    from another machine packs runbooks as its scheduler will. {} where no run kept it."""
+    sizes = [m for prof in profiles for run in prof.get("runs", [])
+             for m in ((run.get("provenance") or {}).get("gpu") or {}).get("memory_gib") or []]
+    return {g: min(sizes) for g in gpus} if sizes else {}
 
 
 def _share_one_gpu(root: Path, timed: list[bool]) -> bool:

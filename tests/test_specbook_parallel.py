@@ -369,3 +369,38 @@ def test_card_memory_reads_nvidia_smi_and_says_nothing_without_it(monkeypatch):
         raise FileNotFoundError("nvidia-smi")
     monkeypatch.setattr(parallel.subprocess, "run", missing)
     assert parallel.card_memory(["0"]) == {}
+
+
+def test_verify_plan_for_another_machine_packs_its_card_by_the_memory_its_records_keep(tmp_path):
+    """Two exact runbooks of 10 s each declaring 50 GiB: on the 80 GiB card their h200 records name, the plan runs
+    them one after the other (20 s); with records that keep no card memory, side by side (10 s)."""
+    import json
+
+    exact = 'record("y", 3, unit="n", direction="none", kind="exact")'
+    header = "gpu_memory_gib: 50"
+    root = make_repo(tmp_path, one=runbook_text(profiles="{cpu: {}, h200: {}}", body=exact, extra_header=header),
+                     two=runbook_text(profiles="{cpu: {}, h200: {}}", body=exact, extra_header=header))
+
+    def as_h200(memory: list[float] | None) -> None:
+        for name in ("one", "two"):
+            path = root / "baselines" / f"{name}.yaml"
+            rec = yaml.safe_load(path.read_text())
+            prof = rec["profiles"].pop("cpu", None) or rec["profiles"]["h200"]
+            for run in prof["runs"]:
+                run["seconds"] = 10.0
+                run["provenance"]["profile"] = "h200"
+                run["provenance"]["gpu"] = {"count": 1, "names": ["NVIDIA H200"], "driver": "1", "uuids": [],
+                                            **({"memory_gib": memory} if memory else {})}
+            rec["profiles"]["h200"] = prof
+            path.write_text(yaml.safe_dump(rec))
+
+    for name in ("one", "two"):
+        assert cli(root, "run", name, "--record").exit_code == 0
+    as_h200([80.0])
+    r = cli(root, "verify", "--plan", "--profile", "h200", "--gpus", "1", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert [x["shares_gpu"] for x in d["plan"]] == [True, True] and d["estimate_s"] == 20
+    as_h200(None)
+    assert json.loads(cli(root, "verify", "--plan", "--profile", "h200", "--gpus", "1", "--json").stdout
+                      )["estimate_s"] == 10
