@@ -166,6 +166,8 @@ def test_gpu_profile_and_fingerprint():
     assert fp["gpu"]["names"] and fp["gpu"]["driver"]
     uuids = fp["gpu"]["uuids"]  # the physical cards: one per visible device, all different
     assert len(uuids) == len(set(uuids)) == torch.cuda.device_count() and all(u.startswith("GPU-") for u in uuids)
+    sizes = fp["gpu"]["memory_gib"]  # what verify --plan packs the card by, from another machine
+    assert len(sizes) == torch.cuda.device_count() and all(s > 1 for s in sizes)
 
 
 def test_declared_gpu_memory_is_read_checked_and_left_out_of_the_hash(tmp_path):
