@@ -269,6 +269,17 @@ def test_a_reading_is_placed_on_the_recorded_fit_and_its_thresholds():
     assert "outside" in on_the_dial(0.5, values, 0.9)[0]
     with pytest.raises(KeyError):
         on_the_dial(0.9, {"w_keep": 0.95}, 0.9)  # no fit recorded
+    assert not any(line.startswith("no forecast") for line in lines)  # a clear slope forecasts
+
+
+def test_a_curve_whose_slope_is_within_its_noise_forecasts_nothing():
+    """Kept shares that do not follow the similarity (as the first GPU dial's): the line is printed with its band,
+    and a line says the slope is within one standard error of flat, so the reading forecasts nothing."""
+    xs, ys = [-1.52, -1.37, -1.38, -1.15], [0.41, 0.63, 1.00, 0.44]
+    values = {f"kept_fit.{k}": float(v) for k, v in dataclasses.asdict(linear_fit(xs, ys)).items()}
+    lines = on_the_dial(0.95, values, 0.9)
+    flat = [line for line in lines if line.startswith("no forecast")]
+    assert len(flat) == 1 and "within one standard error of flat" in flat[0]
 
 
 def test_probe_plugin_at_scale_prints_its_reading_on_the_recorded_dial(tmp_path, monkeypatch, capsys):

@@ -197,6 +197,10 @@ def on_the_dial(similarity: float, values: Mapping[str, float], share: float, ke
     lines = [f"a probe similarity of {similarity:.4f} predicts a kept share of {y:.2f} +- {se:.2f} (one standard "
              f"error), {where} the dial's range of similarities {similarity_at(fit.x_max):.4f}.."
              f"{similarity_at(fit.x_min):.4f}" + ("" if kept is None else f"; measured here: {kept:.2f}")]
+    slope_se = fit.resid_std / math.sqrt(fit.sxx) if fit.sxx > 0 else math.inf
+    if abs(fit.slope) <= slope_se:
+        lines.append(f"no forecast: the curve's slope, {fit.slope:.2f} +- {slope_se:.2f}, is within one standard error "
+                     f"of flat - on this profile the similarity does not tell what the drafter keeps; measure it")
     counts = sorted(int(m[1]) for k in values if (m := re.fullmatch(r"w_recover_n(\d+)", k)))
     rules = [("w_keep", "the old drafter unchanged")] + [(f"w_recover_n{n}", f"a fine-tune on {n} samples")
                                                          for n in counts]
