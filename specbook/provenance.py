@@ -238,6 +238,12 @@ def why_no_commit(root: Path, value: Any) -> str:
     return f"the recorded commit {value[:10]} is not in this repository (`git fetch` may bring it)"
 
 
+# What specbook writes and no run computes from: the records and the docs (the executed notebooks and generated pages
+# among them). Left out of a run's dirty flag, so that the second runbook of one `runbook record` is not called dirty
+# for the first one's record.
+UNCOMPUTED = (":(exclude)baselines", ":(exclude)docs")
+
+
 def _git_state(root: Path) -> tuple[str | None, bool]:
     """Commit and dirty flag. A copy of the working tree sent to another machine (a lent GPU) names them in
     SPECBOOK_GIT_COMMIT / SPECBOOK_GIT_DIRTY: the sender knows what it sent, while a .git that came along may be of
@@ -253,7 +259,7 @@ def _git_state(root: Path) -> tuple[str | None, bool]:
             raise SpecbookError(f"{SENT_COMMIT_ENV}={sent!r} {what}; set it to the commit this tree was sent at")
         return sent, os.environ.get("SPECBOOK_GIT_DIRTY", "0") not in ("", "0")
     commit = _git(root, "rev-parse", "HEAD")
-    return commit, commit is not None and bool(_git(root, "status", "--porcelain"))
+    return commit, commit is not None and bool(_git(root, "status", "--porcelain", "--", ".", *UNCOMPUTED))
 
 
 def git_commit(root: Path) -> str | None:

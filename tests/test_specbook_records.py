@@ -244,8 +244,20 @@ def test_a_sent_copy_is_named_by_its_sender_not_by_the_git_that_came_along(tmp_p
     assert _git_state(tmp_path) == (head, False)
     monkeypatch.setenv("SPECBOOK_GIT_DIRTY", "1")
     assert _git_state(tmp_path) == (head, True)
+    monkeypatch.delenv("SPECBOOK_GIT_COMMIT")
+    monkeypatch.delenv("SPECBOOK_GIT_DIRTY")
+    git("add", "f")
+    git("commit", "-qm", "sent")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True).stdout.strip()
+    for written in ("baselines/one.yaml", "docs/status.md", "docs/runbooks/executed/one-cpu.ipynb"):
+        (tmp_path / written).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / written).write_text("what specbook writes\n")
+    assert _git_state(tmp_path) == (head, False)  # records and docs written by an earlier run of one record
+    (tmp_path / "f").write_text("code changed\n")
+    assert _git_state(tmp_path) == (head, True)
     copy = tmp_path_factory.mktemp("sent")  # the lent machine's copy has no .git: only the id's form can be checked
     monkeypatch.setenv("SPECBOOK_GIT_COMMIT", "f" * 40)
+    monkeypatch.setenv("SPECBOOK_GIT_DIRTY", "1")
     assert _git_state(copy) == ("f" * 40, True)
 
 
