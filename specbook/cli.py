@@ -354,6 +354,53 @@ def record_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profiles: tupl
     ctx.exit(3 if failed else 0)
 
 
+@main.command("import")
+@click.argument("archive", type=click.Path(path_type=Path))
+@click.option("--profile", "profiles", multiple=True, help="Only this profile's records (repeatable; default: every "
+              "profile in the archive).")
+@click.option("--dry-run", is_flag=True, help="Write nothing: say what would be imported.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.pass_obj
+@click.pass_context
+def import_(ctx: click.Context, obj: Ctx, archive: Path, profiles: tuple[str, ...], dry_run: bool,
+            as_json: bool) -> None:
+    """Bring the records in ARCHIVE (a tar made on another machine, e.g. a lent GPU's results.tgz from
+    scripts/gpu-runbooks.sh) into baselines/, profile by profile, with their executed notebooks, then bring docs/
+    up to date as `record` does and say which headlines the new runs lowered. A profile is taken only as a
+    fast-forward: the archive holds every run this tree holds for it, and more. Exit 1 when a profile diverged
+    (this tree has runs the archive lacks: not taken; the others are), 2 for a bad archive or profile."""
+    from specbook import importing
+    from specbook.site import write_generated
+
+    root = obj.root
+    for p in profiles:
+        check_profile(root, p)
+    got = importing.read_archive(archive)
+    sections = importing.plan(root, got, list(profiles) or None)
+    if profiles and not sections:
+        raise SpecbookError(f"{archive}: no records of {', '.join(profiles)} in it")
+    done = [] if dry_run else importing.apply(root, got, sections)
+    if done:
+        with records.docs_lock(root):
+            _refresh_docs(root, sorted({s.runbook for s in done}))
+            for path in write_generated(root):
+                _log(f"updated {path.relative_to(root)}")
+        _headlines_down(root, {run for s in done for run in s.added})
+    diverged = [s for s in sections if s.state == importing.DIVERGED]
+    rows = [[s.runbook, s.profile, s.state + (" (dry run)" if dry_run and s.state == importing.IMPORTED else ""),
+             len(s.added) or "-", (s.commit or "?")[:10], "yes" if s.notebook else "no"] for s in sections]
+    text = _table(["runbook", "profile", "state", "runs added", "commit", "notebook"], rows)
+    if diverged:
+        text += (f"\n{len(diverged)} diverged: this tree holds runs of them that the archive lacks; not imported "
+                 "(record them again, or merge by hand)")
+    elif done:
+        text += f"\n{len(done)} imported; commit baselines/ and docs/ on purpose"
+    else:
+        text += "\nnothing new to import" if not dry_run else ""
+    _emit(as_json, [asdict(s) for s in sections], text)
+    ctx.exit(1 if diverged else 0)
+
+
 def _plan(t: Target, force: bool, seen: set[str] | None = None) -> list[str]:
     """The runbooks a run will execute, dependencies first: those not cached (all with --force), then NAME."""
     seen = set() if seen is None else seen

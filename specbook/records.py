@@ -100,18 +100,25 @@ def load(path: Path) -> RecordFile:
     raw = path.read_bytes()
     key = (str(path.resolve()), sha(raw))
     if key not in _PARSED:
-        try:
-            _refuse_aliases(raw, path)
-            data = yaml.load(raw, Loader=_LOADER)
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"{_show(path)}:{mark.line + 1}" if mark else _show(path)
-            raise SpecbookError(f"{where}: malformed YAML: {getattr(e, 'problem', None) or e}") from None
-        validate(data, path)
+        data = parse(raw, path)
         if len(_PARSED) >= 256:
             _PARSED.clear()
         _PARSED[key] = data
     return RecordFile(path, copy.deepcopy(_PARSED[key]), key[1])  # a copy: callers add runs to theirs
+
+
+def parse(raw: bytes, path: Path) -> dict[str, Any]:
+    """A record file's validated data from its bytes; `path` names it in errors (the file, or one inside an
+    archive)."""
+    try:
+        _refuse_aliases(raw, path)
+        data = yaml.load(raw, Loader=_LOADER)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{_show(path)}:{mark.line + 1}" if mark else _show(path)
+        raise SpecbookError(f"{where}: malformed YAML: {getattr(e, 'problem', None) or e}") from None
+    validate(data, path)
+    return data
 
 
 def _refuse_aliases(raw: bytes, path: Path) -> None:
