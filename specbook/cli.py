@@ -263,9 +263,11 @@ def _rank(state: str) -> int:
               "of the cores (SPECBOOK_ALLOW_BUSY=1 records anyway).")
 @click.option("--force", is_flag=True, help="Re-run dependencies even when their cached outputs are current.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output (no progress bar).")
+@click.option("--docs-later", is_flag=True, hidden=True, help="With --record: leave docs/ to the caller (the children "
+              "of `runbook record`, whose parent brings docs/ up to date once, after all of them).")
 @click.pass_obj
 def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, record_: bool, force: bool,
-        as_json: bool) -> None:
+        as_json: bool, docs_later: bool) -> None:
     """Run runbook NAME (dependencies first when missing or stale), show what its numbers say and how they compare
     with the committed record; with --record, record them."""
     root = obj.root
@@ -287,7 +289,7 @@ def run(obj: Ctx, name: str, params: tuple[str, ...], profile: str | None, recor
     before = {n: records.load(records.path_for(root, n)) for n in _closure(t)}
     # a record is measured from nothing, as verify re-measures it: nothing read back from a cached run's outputs
     outcomes = run_target(root, t, record=record_, force=force, fresh=record_, progress=not as_json, log=_log)
-    if record_:
+    if record_ and not docs_later:  # a child of `record` leaves it to its parent: the next runbook waits for it
         from specbook.site import write_generated
 
         with records.docs_lock(root):

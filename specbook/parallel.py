@@ -293,8 +293,10 @@ def verify_child(root: Path, scratch: Path, log: Callable[[str], None],
 
 def record_child(root: Path, scratch: Path, log: Callable[[str], None],
                  lock: bool = False) -> Callable[[Job, str], subprocess.Popen]:
-    """`runbook run NAME --record --profile P --json`: the run recorded, its metrics as JSON in the output file."""
-    return child(root, scratch, log, lambda j: ["run", j.name, "--record", "--profile", j.profile, "--json"], lock)
+    """`runbook run NAME --record --profile P --json --docs-later`: the run recorded, its metrics as JSON in the
+    output file; docs/ is left to the parent, which brings it up to date once, after every child."""
+    return child(root, scratch, log, lambda j: ["run", j.name, "--record", "--profile", j.profile, "--json",
+                                                "--docs-later"], lock)
 
 
 def _relay(proc: subprocess.Popen, prefix: str, log: Callable[[str], None]) -> None:

@@ -76,6 +76,18 @@ def test_children_on_gpus_record_every_runbook(repo):
     ids = {r.runbook: r.run_id for r in got}
     assert {n: baseline(repo, n)["profiles"]["cpu"]["metrics"]["x"]["run"] for n in ids} == ids
     assert (repo / LOG).read_text().split() == ["up", "down"]
+    # the children leave docs/ to `record`, which brings it up to date once after all of them (below): a dependent
+    # does not wait for its dependency's docs refresh
+    assert "9.9<!-- /claim -->" in (repo / "docs" / "p.md").read_text()
+    assert not any("updated docs" in line for line in lines)
+
+
+def test_record_on_gpus_refreshes_docs_once_after_the_children(repo, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # pretend GPUs: the children run on the CPU
+    r = cli(repo, "record", "--gpus", "0,1", "--json")
+    assert r.exit_code == 0, r.stderr
+    assert "2.0<!-- /claim -->" in (repo / "docs" / "p.md").read_text()
+    assert r.stderr.count("updated docs/p.md") == 1
 
 
 def test_a_failing_runbook_exits_3_and_the_others_are_recorded(repo):
