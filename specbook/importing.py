@@ -20,6 +20,7 @@ from specbook import SpecbookError
 from specbook.execute import EXECUTED
 from specbook.fsutil import atomic_write
 from specbook.records import BASELINES, RecordFile, load, parse, path_for, save
+from specbook.runbooks import discover
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -100,6 +101,8 @@ def judge(ours: dict[str, Any] | None, theirs: dict[str, Any]) -> tuple[str, lis
 
 def plan(root: Path, archive: Archive, profiles: list[str] | None = None) -> list[Section]:
     """Every profile section of the archive (only `profiles` when given) with what importing it would do."""
+    if unknown := sorted(set(archive.records) - set(discover(root))):
+        raise SpecbookError(f"the archive holds records of runbooks this tree does not have: {', '.join(unknown)}")
     out = []
     for name, data in sorted(archive.records.items()):
         ours = load(path_for(root, name)).data["profiles"]

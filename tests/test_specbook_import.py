@@ -156,3 +156,14 @@ def test_an_unknown_profile_is_refused(here, tmp_path):
     archive = _pack(_machine(here, tmp_path), tmp_path / "results.tgz")
     r = cli(here, "import", str(archive), "--profile", "h900")
     assert r.exit_code == 2
+
+
+def test_records_of_a_runbook_this_tree_lacks_are_refused(here, tmp_path):
+    there = _machine(here, tmp_path)
+    (there / "runbooks/b.py").write_text(runbook_text(profiles="{cpu: {}, h200: {}}"))
+    _add(there, "h200", 3, 7.0, name="b")
+    _add(there, "h200", 4, 120.0)
+    r = cli(here, "import", str(_pack(there, tmp_path / "results.tgz")))
+    assert r.exit_code == 2 and "does not have: b" in r.stderr
+    assert baseline(here, "a")["profiles"]["h200"]["metrics"]["x"]["value"] == 100.0
+    assert not (here / "baselines/b.yaml").exists()
