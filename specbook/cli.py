@@ -390,8 +390,11 @@ def import_(ctx: click.Context, obj: Ctx, archive: Path, profiles: tuple[str, ..
         _headlines_down(root, {run for s in done for run in s.added})
     diverged = [s for s in sections if s.state == importing.DIVERGED]
     rows = [[s.runbook, s.profile, s.state + (" (dry run)" if dry_run and s.state == importing.IMPORTED else ""),
-             len(s.added) or "-", (s.commit or "?")[:10], "yes" if s.notebook else "no"] for s in sections]
-    text = _table(["runbook", "profile", "state", "runs added", "commit", "notebook"], rows)
+             len(s.added) or "-", (s.commit or "?")[:10], "yes" if s.notebook else "no"]
+            for s in sections if s.state != importing.SAME]  # the archive's copies of what is here: counted below
+    same = len(sections) - len(rows)
+    text = (_table(["runbook", "profile", "state", "runs added", "commit", "notebook"], rows) + "\n" if rows else "") \
+        + f"{same} profile record(s) as they are here"
     if diverged:
         text += (f"\n{len(diverged)} diverged: this tree holds runs of them that the archive lacks; not imported "
                  "(record them again, or merge by hand)")

@@ -127,3 +127,22 @@ def test_a_re_record_that_lowers_an_explained_headline_no_further_is_not_loud(tm
     out = record(root, monkeypatch, 1.19)  # within the noise of the explained drop
     assert "HEADLINE DOWN" not in out and "headline still below its best: pair/cpu/speedup" in out
     assert not problems(root)
+
+
+def test_a_drop_in_records_imported_from_another_machine_is_flagged(tmp_path, monkeypatch):
+    import shutil
+    import tarfile
+
+    root = repo(tmp_path)
+    record(root, monkeypatch, 2.0)
+    there = tmp_path / "there"  # the lent machine's copy of the tree, which records the drop
+    shutil.copytree(root, there)
+    record(there, monkeypatch, 1.2)
+    archive = tmp_path / "results.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(there / "baselines", arcname="baselines")
+    r = cli(root, "import", str(archive))
+    assert r.exit_code == 0, r.output
+    assert "HEADLINE DOWN: pair/cpu/speedup" in r.output and "down 40% from its best (2" in r.output
+    assert [m for m in problems(root) if m.startswith("headline pair/cpu/speedup is down")]
+    assert baseline(root, "pair")["profiles"]["cpu"]["metrics"]["speedup"]["value"] == 1.2
