@@ -31,8 +31,8 @@ States of a recorded number (the same words everywhere):
   drifted   re-measured here outside tolerance (a noisy number: by two of three runs
             paired with the recorded commit's engine)
   moved     outside tolerance with the code as recorded: a timing, or an exact number on
-            another kind of processor or GPU; the machine or its environment moved it
-            (shown, exit 0)
+            another kind of processor or GPU (there also one it did not record); the
+            machine or its environment moved it (shown, exit 0)
   flaky     a noisy number whose three measurements do not agree
   failed    could not be re-measured (the runbook failed)
   current   not re-measured; its inputs are unchanged since it was recorded

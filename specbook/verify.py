@@ -5,8 +5,8 @@ A recorded number is in exactly one state:
 - re-measured by this command: **fresh** (within tolerance; a noisy number with changed inputs only when the
   paired measurements against the recorded commit's engine say so too), **drifted** (outside it; a noisy number
   only when two of three measurements against the recorded commit's engine say so), **moved** (a noisy number outside tolerance with
-  the code and parameters as recorded, or an exact one that differs on another kind of processor or GPU than it was
-  recorded on: the machine or environment moved, not the code; exit 0, but shown),
+  the code and parameters as recorded, or an exact one that differs, or is not recorded at all, on another kind of
+  processor or GPU than it was recorded on: the machine or environment moved, not the code; exit 0, but shown),
   **flaky** (no two of three measurements agree: fails like drift), **failed** (the runbook could not run);
 - not re-measured: **current** (its inputs - runbook, parameters, engine code, declared inputs, upstream records -
   hash as when it was recorded), **stale** (they changed since), **reported** (measured by hand on hardware this
@@ -48,7 +48,8 @@ FAILING = frozenset({DRIFTED, FLAKY, FAILED, INVALID, STALE})
 MEANING = {
     FRESH: "re-measured here within tolerance",
     MOVED: "re-measured here outside tolerance with the code and parameters as recorded (a timing, or an exact "
-           "number on another kind of processor or GPU): the machine or its environment moved it, not the code",
+           "number on another kind of processor or GPU, where it may also be missing): the machine or its "
+           "environment moved it, not the code",
     DRIFTED: "re-measured here outside tolerance (noisy numbers: on two runs)",
     FLAKY: "re-measured here twice and the runs disagree",
     FAILED: "could not be re-measured: the runbook failed or cannot be resolved",
@@ -431,7 +432,10 @@ def _rerun(root: Path, name: str, profile: str, prof: dict, static: list[Verdict
              if v.kind == "noisy" and (v.state == DRIFTED or v.state == FRESH and changed_code(prof, v, t))]
     if again:
         _confirm(root, t, prof, again, now, progress, log)
-    exact = [v for v in judged if v.state == DRIFTED and v.kind != "noisy"]
+    # an exact number the re-run did not record: one that exists only for some outcomes (a fine-tune that reached
+    # its goal) may be absent where the processor rounds the run before it otherwise; judged as a changed exact one
+    exact = [v for v in judged if v.kind != "noisy" and (v.state == DRIFTED or v.state == FAILED and
+                                                         v.detail == NOT_RECORDED)]
     if exact:
         _exact_elsewhere(root, t, prof, exact, now, progress, log)
     env = environment_changes(records.run_of(prof, next(iter(prof["metrics"].values()))["run"]), now)
@@ -471,9 +475,12 @@ def recorded_here(prof: dict, inputs_hash: str, now: dict[str, Any]) -> dict:
     return {**prof, "metrics": metrics}
 
 
+NOT_RECORDED = "the re-run did not record it"
+
+
 def _judge(v: Verdict, prof: dict, measured: dict[str, float]) -> Verdict:
     if v.metric not in measured:
-        return _failed(v, "the re-run did not record it")
+        return _failed(v, NOT_RECORDED)
     entry = prof["metrics"][v.metric]
     v.measured = measured[v.metric]
     v.change = drift(entry, v.measured)
@@ -563,7 +570,8 @@ def _confirm(root: Path, t: Target, prof: dict, drifted: list[Verdict], now: dic
 
 def _exact_elsewhere(root: Path, t: Target, prof: dict, drifted: list[Verdict], now: dict[str, Any],
                      progress: bool, log) -> None:
-    """Judge exact numbers outside their tolerance on another kind of processor or GPU than they were recorded on.
+    """Judge exact numbers outside their tolerance, or that the re-run did not record (one recorded only for some
+    outcomes, e.g. a goal reached), on another kind of processor or GPU than they were recorded on.
     Fixed seeds and thread counts make a number exact on one kind of machine; another rounds differently (oneMKL
     picks its kernels by processor vendor whatever MKL_CBWR says, outside its slow COMPATIBLE mode), and a training
     run carries the rounding to its last step. On the same kind of machine they stay DRIFTED. Elsewhere, with the
@@ -576,8 +584,8 @@ def _exact_elsewhere(root: Path, t: Target, prof: dict, drifted: list[Verdict], 
         return
     where = f"recorded on another machine: {elsewhere}"
     if run.get("inputs_hash") == t.inputs_hash:
-        log(f"{name} ({profile}): {len(drifted)} exact number(s) differ with the code and parameters as recorded "
-            f"({where}): moved")
+        log(f"{name} ({profile}): {len(drifted)} exact number(s) differ or are not recorded with the code and "
+            f"parameters as recorded ({where}): moved")
         for v in drifted:
             v.state, v.change = MOVED, None
             v.detail = f"{v.detail}; code and parameters as recorded, {where}"
@@ -591,10 +599,17 @@ def _exact_elsewhere(root: Path, t: Target, prof: dict, drifted: list[Verdict], 
     else:
         log(f"{name} ({profile}): not against the recorded commit: {without}")
     for v in drifted:
+        if a is not None and v.measured is None and v.metric not in a:  # neither records it on this processor
+            v.state, v.change = MOVED, None
+            v.detail = f"{v.detail}; {where}; the recorded commit does not record it here either"
+            continue
         if a is None or v.metric not in a:
-            why = without or "its run failed"
+            why = without or ("its run failed" if a is None else "it records no such number here")
             v.detail = (f"{v.detail}; {where}, and the recorded commit could not be run here to compare with "
                         f"({why}): this processor's rounding cannot be told from a change of the code")
+            continue
+        if v.measured is None:  # the recorded commit records it here, this tree does not: the code lost it
+            v.detail = f"{v.detail}; {where}; the recorded commit records it here ({a[v.metric]:.6g})"
             continue
         entry = {**prof["metrics"][v.metric], "value": a[v.metric]}
         v.change = drift(entry, v.measured)

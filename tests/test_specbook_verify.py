@@ -354,6 +354,39 @@ def test_an_exact_number_on_another_processor_is_judged_against_the_recorded_com
     assert exit_code([v]) == (1 if state == DRIFTED else 0)
 
 
+GOAL_RUNBOOK = runbook_text(body="""
+    import os
+    from engine.loss import LOSS, GOAL
+    loss = LOSS + float(os.environ.get("ROUNDING", "0"))
+    record("loss", loss, unit="nats", direction="lower", kind="exact")
+    if loss <= GOAL:  # recorded only when reached, as drift-dial's samples_to_recover
+        record("reached", loss, unit="nats", direction="lower", kind="exact")
+""")
+
+
+@pytest.mark.parametrize("engine,rounding,elsewhere,state", [
+    ("LOSS, GOAL = 2.0, 2.0\n", "0.001", False, FAILED),  # the same kind of machine: the number must come back
+    ("LOSS, GOAL = 2.0, 2.0\n", "0.001", True, MOVED),  # another processor, the code as recorded: its rounding
+    ("LOSS, GOAL = 4.0 / 2, 2.0\n", "0.001", True, MOVED),  # changed code; the recorded commit misses it here too
+    ("LOSS, GOAL = 2.0, 1.99\n", "-0.001", True, FAILED),  # changed code; the recorded commit records it here
+])
+def test_an_exact_number_a_run_on_another_processor_does_not_record(tmp_path, monkeypatch, engine, rounding,
+                                                                     elsewhere, state):
+    root = recorded_in_git(tmp_path, "loss", GOAL_RUNBOOK, "LOSS, GOAL = 2.0, 2.0\n")
+    (root / "engine" / "loss.py").write_text(engine)
+    monkeypatch.setenv("ROUNDING", rounding)  # this machine's math rounds otherwise
+    if elsewhere:
+        monkeypatch.setattr(provenance, "cpu_model", lambda: "Another CPU 9000")
+    verdicts = {v.metric: v for v in verify(root, "cpu", progress=False, log=lambda m: None)}
+    v = verdicts["reached"]
+    assert v.state == state, v.detail
+    assert "did not record it" in v.detail
+    if state == FAILED and elsewhere:
+        assert "the recorded commit records it here (1.999)" in v.detail
+    assert ("recorded on another machine: CPU model" in v.detail) == elsewhere
+    assert exit_code(list(verdicts.values())) == (3 if state == FAILED else 0)
+
+
 @pytest.mark.parametrize("rounding,state", [("0.001", FRESH), ("0.002", DRIFTED)])
 def test_each_kind_of_processor_verifies_against_the_value_it_recorded(tmp_path, monkeypatch, rounding, state):
     """Recorded on an AMD machine, then on an Intel one (the newest value, what docs claim): back on AMD the number
