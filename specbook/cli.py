@@ -19,7 +19,7 @@ from specbook.execute import Target, target
 from specbook.execute import run as run_target
 from specbook.runbooks import check_name, check_profile, discover, find_root, load, parse_cli
 from specbook.text import one_line
-from specbook.verify import (FAILED, FAILING, INVALID, STALE, STATES, Verdict, age, drift, exit_code, plan,
+from specbook.verify import (FAILED, FAILING, INVALID, MOVED, STALE, STATES, Verdict, age, drift, exit_code, plan,
                              recorded_here, recorded_seconds, status, verify)
 
 # Exit codes: the same meanings as `python -m engine`'s (engine/cli_options.py); tests/test_cli_conventions.py holds
@@ -642,7 +642,8 @@ def verify_(ctx: click.Context, obj: Ctx, names: tuple[str, ...], profiles: tupl
     problems = [str(p) for p in _check_docs(root)] if docs else []
     if problems and code == 0:
         code = 1
-    shown = verdicts if show_all else [v for v in verdicts if v.measured is not None or v.state in FAILING]
+    shown = verdicts if show_all else [v for v in verdicts if v.measured is not None or v.state in FAILING
+                                       or v.state == MOVED]  # moved without a value: the re-run lacked it
     text = _table(VERDICT_HEADERS, _verdict_rows(shown)) + "\n" if shown else ""
     text += summary(verdicts) if verdicts else "nothing recorded to verify"
     text += "".join(f"\ndocs: {p}" for p in problems)

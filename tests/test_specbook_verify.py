@@ -1,6 +1,7 @@
 """Verdicts: drift in both directions and with direction none, stale detection, other profiles, exit codes."""
 
 import datetime as dt
+import re
 import shutil
 import subprocess
 import sys
@@ -385,6 +386,10 @@ def test_an_exact_number_a_run_on_another_processor_does_not_record(tmp_path, mo
         assert "the recorded commit records it here (1.999)" in v.detail
     assert ("recorded on another machine: CPU model" in v.detail) == elsewhere
     assert exit_code(list(verdicts.values())) == (3 if state == FAILED else 0)
+    if elsewhere:  # the table shows it, though it has no measured value
+        monkeypatch.setattr("specbook.cli.verify", lambda *a, **k: list(verdicts.values()))
+        shown = cli(root, "verify", "loss").output
+        assert re.search(rf"reached\s+{state}\b", shown), shown
 
 
 @pytest.mark.parametrize("rounding,state", [("0.001", FRESH), ("0.002", DRIFTED)])
