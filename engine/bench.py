@@ -4,9 +4,11 @@ transformers' own static-cache `generate` on the same weights as the peer. With 
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import statistics
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import TypeVar
 
@@ -17,7 +19,7 @@ from engine.errors import EngineError
 from engine.graphs import CapturedCall, GraphSet
 from engine.loading import transformers_twin
 from engine.target_decoder import TargetDecoder
-from engine.timing import sync, time_fn
+from engine.timing import sync, time_fn, wall_clock
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
 T = TypeVar("T")
@@ -79,6 +81,7 @@ class BenchResult:
     errors: dict[str, str] = field(default_factory=dict)  # optional measurements that failed: name -> why
     step_ms: dict[str, float] | None = None  # kernel time per profiled step: matrix, attention, other; kernel count
     profiled: str | None = None  # which decode variant was profiled ("compiled", "graph", or "eager" on CPU)
+    wall_s: dict[str, float] = field(default_factory=dict)  # phase -> seconds it took, building and warm-up included
 
     @property
     def t8_over_t1(self) -> float | None:
@@ -222,6 +225,19 @@ def attempt(res: BenchResult, name: str, measure: Callable[[], T]) -> T | None:
         return None
 
 
+@contextlib.contextmanager
+def phase(res: BenchResult, name: str) -> Iterator[None]:
+    """Time one phase of a long benchmark (captures, compiles and the peer's warm-up included) into res.wall_s, and
+    say on stderr as it ends: a run of several minutes shows where it is, and its log where the time went."""
+    now = wall_clock()
+    start = now()
+    try:
+        yield
+    finally:
+        res.wall_s[name] = now() - start
+        print(f"  bench {res.model}: {name} in {res.wall_s[name]:.1f} s", file=sys.stderr, flush=True)
+
+
 def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
     """`eng` is a runtime.Engine; its model is benchmarked, and its decoder too when it is speculative."""
     model = eng.model
@@ -242,34 +258,43 @@ def run_bench(eng, cfg: BenchConfig = BenchConfig()) -> BenchResult:
     stat = lambda dec: decode_stat(dec, prompt, cfg, res.weight_bytes, res.copy_gb_s)  # noqa: E731
     fastest = TargetDecoder(model, eng.max_seq_len, cuda_graphs=True)
     if cfg.plain or not cfg.compile:
-        res.decode["graph"] = stat(fastest)
-    if cfg.compile and (made := attempt(res, "compiled", lambda: (
-            g := TargetDecoder(model, eng.max_seq_len, cuda_graphs=True, compile=True), stat(g)))):
-        compiled, res.decode["compiled"] = made
-        if "graph" not in res.decode or res.decode["compiled"].tok_s > res.decode["graph"].tok_s:
-            fastest = compiled
+        with phase(res, "graph decode"):
+            res.decode["graph"] = stat(fastest)
+    if cfg.compile:
+        with phase(res, "compiled decode"):
+            made = attempt(res, "compiled", lambda: (
+                g := TargetDecoder(model, eng.max_seq_len, cuda_graphs=True, compile=True), stat(g)))
+        if made:
+            compiled, res.decode["compiled"] = made
+            if "graph" not in res.decode or res.decode["compiled"].tok_s > res.decode["graph"].tok_s:
+                fastest = compiled
     if not res.decode:
         raise EngineError(f"the compiled decode failed and the plain one was not asked for: {res.errors['compiled']}")
     if cfg.eager:
         eager_cfg = replace(cfg, new_tokens=cfg.eager_tokens or cfg.new_tokens)
-        res.decode["eager"] = decode_stat(TargetDecoder(model, eng.max_seq_len, cuda_graphs=False), prompt, eager_cfg,
-                                          res.weight_bytes, res.copy_gb_s)
-    res.forward_ms["graph" if graphs else "eager"] = forward_costs(model, cfg.prompt_len, cfg.sizes, graphs)
-    if not model.cfg.n_routed_experts:  # MoE experts are not nn.Linear: the floor would leave them out
-        res.gemv_ms = gemv_floor_ms(model)
-    if graphs and cfg.eager:
-        res.forward_ms["eager"] = forward_costs(model, cfg.prompt_len, cfg.sizes, False)
+        with phase(res, "eager decode"):
+            res.decode["eager"] = decode_stat(TargetDecoder(model, eng.max_seq_len, cuda_graphs=False), prompt,
+                                              eager_cfg, res.weight_bytes, res.copy_gb_s)
+    with phase(res, "forward costs"):
+        res.forward_ms["graph" if graphs else "eager"] = forward_costs(model, cfg.prompt_len, cfg.sizes, graphs)
+        if not model.cfg.n_routed_experts:  # MoE experts are not nn.Linear: the floor would leave them out
+            res.gemv_ms = gemv_floor_ms(model)
+        if graphs and cfg.eager:
+            res.forward_ms["eager"] = forward_costs(model, cfg.prompt_len, cfg.sizes, False)
     if eng.speculative:
-        res.decode["speculative"] = stat(eng.decoder)
+        with phase(res, "speculative decode"):
+            res.decode["speculative"] = stat(eng.decoder)
         shape = eng.decoder.shape
         res.spec = {"steps": shape.steps, "topk": shape.topk, "draft_tokens": shape.draft_tokens,
                     "eager_verify": eng.decoder.eager_verify}
     if cfg.torch_profile:
-        res.profile_table, res.step_ms = profile_decode(fastest, prompt)
+        with phase(res, "profile"):
+            res.profile_table, res.step_ms = profile_decode(fastest, prompt)
         res.profiled = ("compiled" if fastest.compile else "graph") if graphs else "eager"
     if cfg.peer:
-        res.peer_tok_s = attempt(res, "transformers static",
-                                 lambda: peer_tok_s(model, prompt, cfg.new_tokens, cfg.repeats))
+        with phase(res, "transformers peer"):
+            res.peer_tok_s = attempt(res, "transformers static",
+                                     lambda: peer_tok_s(model, prompt, cfg.new_tokens, cfg.repeats))
     return res
 
 
@@ -299,6 +324,8 @@ def format_bench(r: BenchResult) -> str:
         lines.append(f"{name:<12}" + "".join(f"{f[t]:>9.3f}" for t in sizes))
     if r.t8_over_t1 is not None:
         lines.append(f"T=8 / T=1 forward cost: {r.t8_over_t1:.2f}x")
+    if r.wall_s:
+        lines.append("wall time: " + ", ".join(f"{name} {s:.1f} s" for name, s in r.wall_s.items()))
     if r.step_ms:
         m = r.step_ms
         lines += ["", f"{r.profiled} step, kernel time: matrix {m['matrix']:.3f} ms, attention {m['attention']:.3f} ms, "

@@ -38,6 +38,12 @@ def clock(device: torch.device) -> Callable[[], float]:
     return time.perf_counter if device.type == "cuda" else time.process_time
 
 
+def wall_clock() -> Callable[[], float]:
+    """Wall seconds, for how long a phase of work took on any device (compiles and captures included); inside
+    `use_clock`, the clock given there."""
+    return _clock_override or time.perf_counter
+
+
 @contextmanager
 def use_clock(now: Callable[[], float]) -> Iterator[None]:
     """Every measurement inside the block reads `now` (seconds) instead of the device's clock, CUDA events

@@ -96,6 +96,21 @@ def test_bench_numbers_derive_from_the_measured_times(clocked, monkeypatch):
         run_bench(eng, BenchConfig(prompt_len=60, new_tokens=8, peer=False))
 
 
+def test_bench_says_where_its_wall_time_went(clocked, monkeypatch, capsys):
+    eng, _ = clocked
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 40.0)
+    r = run_bench(eng, BenchConfig(prompt_len=8, new_tokens=8, repeats=2, sizes=(1, 8), eager_tokens=4, peer=False))
+    # a generation of n tokens: the prompt's forward (8 tokens, 5 ms), then n - 1 steps of 1.5 ms
+    # graph decode: a warm-up and two timed generations of 8; eager: of 4; forward costs: time_fn's two warm-up and
+    # timed calls per size, T=1 and T=8 (the gemv floor is not a forward of the model)
+    assert list(r.wall_s) == ["graph decode", "eager decode", "forward costs"]
+    assert r.wall_s["graph decode"] == pytest.approx(3 * (5 + 7 * 1.5) / 1e3)
+    assert r.wall_s["eager decode"] == pytest.approx(3 * (5 + 3 * 1.5) / 1e3)
+    err = capsys.readouterr().err
+    assert f"bench {r.model}: graph decode in 0.0 s" in err and "forward costs in" in err
+    assert "wall time: graph decode 0.0 s, eager decode 0.0 s, forward costs" in bench.format_bench(r)
+
+
 def test_bench_floors_take_time_on_the_real_clock():
     eng = Engine.load(shape="tiny", max_seq_len=64)
     assert bench.gemv_floor_ms(eng.model) > 0 and bench.copy_bandwidth(CPU) > 0
