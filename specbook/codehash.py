@@ -224,8 +224,9 @@ def parse_module(name: str, path: str, text: str, is_package: bool) -> Module:
                          for n in _bound(node))
     for node in _top_level(tree.body):
         bound = _bound(node)
+        # a statement binding several names (`from x import a, b`) reads as one item in status's comma list
         label = next(iter(sorted(bound))) if len(bound) == 1 else (
-            ", ".join(sorted(bound)) if bound else f"line {getattr(node, 'lineno', '?')}")
+            f"({', '.join(sorted(bound))})" if bound else f"line {getattr(node, 'lineno', '?')}")
         units.append(Unit(name, frozenset(bound), label, _digest(node), frozenset(_refs(node, external)),
                           frozenset(imported(node, name, is_package))))
         if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):

@@ -186,6 +186,14 @@ def test_status_names_the_file_and_definition_that_changed(tmp_path):
     t2 = target(root, "up", "cpu")
     assert t2.engine != t.engine
     assert verify.why_stale(root, t2, run) == "engine (mylib/kernels.py: BLOCK) changed"
+    # an import that grows by a name: its old and its new statement, each one item of the list
+    uses_floor = KERNELS.replace("import math", "from math import floor").replace("x * BLOCK", "floor(x) * BLOCK")
+    package(root, uses_floor)
+    _git(root, "-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qam", "two")
+    run["provenance"]["git_commit"] = _git(root, "rev-parse", "HEAD")
+    package(root, uses_floor.replace("import floor", "import ceil, floor"))
+    assert verify.why_stale(root, target(root, "up", "cpu"), run) == \
+        "engine (mylib/kernels.py: (ceil, floor), floor) changed"
     run["provenance"]["git_commit"] = "0" * 40  # not in this clone: where cannot be said, that it changed can
     assert verify.why_stale(root, t2, run) == "engine changed"
 
