@@ -12,21 +12,25 @@
 #   merge      merge=grouped_merge on the 8B chain cycle after a 32K prompt
 #   norm       norm_prologue=fused_add_norm on the 1B decode
 #   swiglu     swiglu_prologue=fused_swiglu on the 1B decode
-# Each A/B writes $OUT/ab/STAGE.json (the samples, pair ratios and verdict) and STAGE.err; the script ends with a
-# table: stage, exit, verdict (B against the defaults), and the seconds it took. It installs the wheels carried in
+# Each A/B writes ab/STAGE.json (the samples, pair ratios and verdict) and ab/STAGE.err in a work folder; the script
+# ends with a table: stage, exit, verdict (B against the defaults), and the seconds it took ($OUT/summary.txt), and
+# packs the work folder (ab/, gpu-tests.log, gpu.txt, summary.txt) into $OUT/kernel-ab.tgz, also after each stage: a
+# lent machine gives back at most 8 files from $OUT, and one stage's two files each would be cut from a full run. It installs the wheels carried in
 # .whl/ first, as scripts/gpu-runbooks.sh does. A choice becomes the default, and is recorded, only on `faster`.
 # Exit: 0 when every stage ran (whatever the verdicts), 2 for an unknown stage, 3 without a CUDA device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/kernel-ab}
-mkdir -p "$out/ab"
+work=$(mktemp -d "${TMPDIR:-/tmp}/kernel-ab.XXXXXX")
+mkdir -p "$out" "$work/ab"
+pack() { tar czf "$out/kernel-ab.tgz" -C "$work" . ; }
 all=(tests rows rows-tree merge norm swiglu)
 stages=("$@")
 [ "${#stages[@]}" -gt 0 ] || stages=("${all[@]}")
 for s in "${stages[@]}"; do
   [[ " ${all[*]} " == *" $s "* ]] || { echo "unknown stage '$s' (stages: ${all[*]})" >&2; exit 2; }
 done
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$out/gpu.txt" \
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$work/gpu.txt" \
   | grep -q . || { echo "no CUDA device here" >&2; exit 3; }
 
 site=${TMPDIR:-/tmp}/site
@@ -36,7 +40,7 @@ export PYTHONUNBUFFERED=1
 
 ab() {  # STAGE LIMIT ab-decode.py's arguments...
   local stage=$1 limit=$2; shift 2
-  timeout "$limit" python3 scripts/ab-decode.py "$@" --json > "$out/ab/$stage.json" 2> "$out/ab/$stage.err"
+  timeout "$limit" python3 scripts/ab-decode.py "$@" --json > "$work/ab/$stage.json" 2> "$work/ab/$stage.err"
 }
 
 rows=()
@@ -45,7 +49,7 @@ for s in "${stages[@]}"; do
   echo "== $(date -u +%T) $s"
   case $s in
     tests) timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_engine.py \
-             tests/test_gpu_speculate.py > "$out/gpu-tests.log" 2>&1; rc=$?; tail -3 "$out/gpu-tests.log" ;;
+             tests/test_gpu_speculate.py > "$work/gpu-tests.log" 2>&1; rc=$?; tail -3 "$work/gpu-tests.log" ;;
     rows) ab rows 150 --b verify_linear=few_rows --spec 7,1,8 --shape llama-3.1-8b; rc=$? ;;
     rows-tree) ab rows-tree 150 --b verify_linear=few_rows --spec 6,4,32 --shape llama-3.1-8b; rc=$? ;;
     merge) ab merge 200 --b merge=grouped_merge --spec 7,1,8 --prompt-len 32768 --new-tokens 64 \
@@ -54,11 +58,13 @@ for s in "${stages[@]}"; do
     swiglu) ab swiglu 120 --b swiglu_prologue=fused_swiglu --shape llama-3.2-1b; rc=$? ;;
   esac
   verdict=-
-  [ -s "$out/ab/$s.json" ] && verdict=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["verdict"])' \
-    "$out/ab/$s.json" 2>/dev/null || echo unreadable)
+  [ -s "$work/ab/$s.json" ] && verdict=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["verdict"])' \
+    "$work/ab/$s.json" 2>/dev/null || echo unreadable)
   [ "$rc" -eq 124 ] && verdict="cut at its limit"
   [ "$s" = tests ] && verdict=$([ "$rc" -eq 0 ] && echo passed || echo failed)
   rows+=("$(printf '%-10s %4s  %-18s %5ss' "$s" "$rc" "$verdict" "$(( $(date +%s) - t0 ))")")
+  printf '%s\n' "${rows[@]}" > "$work/summary.txt" && pack  # what finished survives a cut call
 done
 printf '%-10s %4s  %-18s %6s\n' stage exit verdict time
-printf '%s\n' "${rows[@]}" | tee "$out/summary.txt"
+tee "$out/summary.txt" < "$work/summary.txt"
+pack

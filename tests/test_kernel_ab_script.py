@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tarfile
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kernel-ab.sh"
@@ -56,6 +57,13 @@ def test_every_stage_runs_and_the_table_names_each_verdict(tmp_path):
     assert "faster" in table["rows"] and "same" in table["rows-tree"]
     assert "cut at its limit" in table["merge"] and " 124 " in table["merge"]
     assert "slower" in table["norm"] and "slower" in table["swiglu"]
+    # a lent machine gives back 8 files: the A/Bs' files travel in one archive
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["kernel-ab.tgz", "summary.txt"]
+    with tarfile.open(tmp_path / "out" / "kernel-ab.tgz") as tar:
+        names = {n.removeprefix("./") for n in tar.getnames()}
+        assert tar.extractfile("./ab/rows.json").read().strip() == b'{"verdict": "faster"}'
+    assert {f"ab/{s}.{ext}" for s in table if s != "tests" for ext in ("json", "err")} <= names
+    assert {"gpu.txt", "gpu-tests.log", "summary.txt"} <= names
 
 
 def test_named_stages_only(tmp_path):
