@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The calls of a lent GPU machine for a record longer than one call, where the card that comes decides the work:
+# a call for an H200 often gets an H100, and a lease is too short to spend a call finding out.
+#
+#   scripts/lease.sh first SHA 'H200 CHAIN' ['H100 CHAIN']   the first call: start the chain the card asks for as a
+#                                                            detached job (scripts/device-job.sh), then wait for it
+#   scripts/lease.sh next                                    each following call (within the machine's idle release):
+#                                                            wait for the same job again
+#
+# A CHAIN is one GPU's `runbook` commands separated by ';' (scripts/gpu-runbooks.sh), without single quotes, e.g.
+# 'record --profile h200' or 'record drift-dial --profile h100.dsv3'. SHA is the commit the tree was sent at (the
+# records name it). Every call ends by packing what the job has recorded so far into $OUT/partial.tgz (for `runbook
+# import`, also when the job is still running or the machine is taken back next) and copying the job's own output
+# (its logs, results.tgz once it ended) to $OUT. Environment: OUT (required), WAIT (seconds a call waits, default
+# 555), JOB (the job's name, default rec), FRESH=1 (install and compile as a newly started machine would).
+#
+# Exit: the job's exit code once it ended; 124 while it still runs; 3 when the card is neither an H200 nor an H100
+# with a chain; 2 for bad arguments.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+usage() { echo "usage: $0 first SHA 'H200 CHAIN' ['H100 CHAIN'] | next  (with OUT set)" >&2; exit 2; }
+[ -n "${OUT:-}" ] || { echo "set OUT to the folder whose files come back from the call" >&2; exit 2; }
+name=${JOB:-rec} wait_s=${WAIT:-555}
+dir=/tmp/job-$name
+
+# What the job recorded so far, and its output, into $OUT; then the job's state as this script's exit code.
+collect() {
+  local rc=$1
+  if [ -d "$dir/tree" ]; then
+    (cd "$dir/tree" && tar czf "$OUT/partial.tgz" baselines docs/runbooks/executed logs 2>/dev/null)
+    cp -a "$dir/out/." "$OUT/" 2>/dev/null
+  fi
+  exit "$rc"
+}
+
+case ${1:-} in
+  first)
+    [ "$#" -ge 3 ] && [ "$#" -le 4 ] || usage
+    sha=$2
+    card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+    case $card in
+      *H200*) chain=$3 ;;
+      *H100*) chain=${4:-} ;;
+      *) chain= ;;
+    esac
+    [ -n "$chain" ] || { echo "no chain for this card (${card:-no GPU found})" >&2; exit 3; }
+    case $chain in *"'"*) echo "a chain holds no single quotes: $chain" >&2; exit 2 ;; esac
+    echo "card: $card; chain: $chain"
+    scripts/device-job.sh start "$name" "export SPECBOOK_GIT_COMMIT=$sha; mkdir -p $dir/out; \
+FRESH=${FRESH:-0} OUT=$dir/out scripts/gpu-runbooks.sh '$chain'" || exit $?
+    scripts/device-job.sh wait "$name" "$wait_s"
+    collect $?
+    ;;
+  next)
+    [ "$#" -eq 1 ] || usage
+    scripts/device-job.sh wait "$name" "$wait_s"
+    collect $?
+    ;;
+  *) usage ;;
+esac
