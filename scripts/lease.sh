@@ -8,11 +8,12 @@
 #                                                            wait for the same job again
 #
 # A CHAIN is one GPU's `runbook` commands separated by ';' (scripts/gpu-runbooks.sh), without single quotes, e.g.
-# 'record --profile h200' or 'record drift-dial --profile h100.dsv3'. SHA is the commit the tree was sent at (the
-# records name it). Every call ends by packing what the job has recorded so far into $OUT/partial.tgz (for `runbook
-# import`, also when the job is still running or the machine is taken back next) and copying the job's own output
-# (its logs, results.tgz once it ended) to $OUT. Environment: OUT (required), WAIT (seconds a call waits, default
-# 555), JOB (the job's name, default rec), FRESH=1 (install and compile as a newly started machine would).
+# 'record --profile h200' or 'record drift-dial --profile h100.dsv3'. SHA is the full commit id the tree was sent at
+# (the records name it; checked before a job starts). Every call ends by packing what the job has recorded so far
+# into $OUT/partial.tgz (for `runbook import`, also when the job is still running or the machine is taken back
+# next) and copying the job's own output (its logs, results.tgz once it ended) to $OUT. Environment: OUT (required),
+# WAIT (seconds a call waits, default 555), JOB (the job's name, default rec), FRESH=1 (install and compile as a
+# newly started machine would).
 #
 # Exit: the job's exit code once it ended; 124 while it still runs; 3 when the card is neither an H200 nor an H100
 # with a chain; 2 for bad arguments.
@@ -37,6 +38,7 @@ case ${1:-} in
   first)
     [ "$#" -ge 3 ] && [ "$#" -le 4 ] || usage
     sha=$2
+    [[ $sha =~ ^[0-9a-f]{40}$ ]] || { echo "SHA: the full 40-digit commit id the records will name, not '$sha'" >&2; exit 2; }
     card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
     case $card in
       *H200*) chain=$3 ;;

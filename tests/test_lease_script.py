@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SHA = "0123456789abcdef0123456789abcdef01234567"
 
 # scripts/gpu-runbooks.sh CHAIN: a stand-in that records one file per chain, logs to $OUT, then waits on a flag file
 FAKE_RUNBOOKS = """#!/usr/bin/env bash
@@ -61,11 +62,11 @@ def packed(out: Path) -> set[str]:
                                          ("NVIDIA H100 80GB HBM3", "record drift-dial --profile h100.dsv3")])
 def test_the_card_picks_the_chain_and_each_call_packs_what_was_recorded(lease, card, chain):
     call, out, release = lease
-    r = call("first", "abc123", "record --profile h200", "record drift-dial --profile h100.dsv3", CARD=card,
+    r = call("first", SHA, "record --profile h200", "record drift-dial --profile h100.dsv3", CARD=card,
              FRESH="1")
     assert r.returncode == 124, r.stdout + r.stderr  # the job outlives the call
     assert f"chain: {chain}" in r.stdout
-    assert (out / "gpu0.log").read_text().strip() == f"commit abc123 fresh 1 chain {chain}"
+    assert (out / "gpu0.log").read_text().strip() == f"commit {SHA} fresh 1 chain {chain}"
     assert any(name.startswith("baselines/record") for name in packed(out))  # a cut lease keeps what was recorded
     (out / "partial.tgz").unlink()
     release.touch()
@@ -77,13 +78,15 @@ def test_the_card_picks_the_chain_and_each_call_packs_what_was_recorded(lease, c
 def test_no_chain_for_the_card_and_bad_input_exit_without_starting_a_job(lease):
     call, out, _ = lease
     for card in ("", "NVIDIA A100-SXM4-80GB"):
-        r = call("first", "abc", "record --profile h200", "record --profile h100", CARD=card)
+        r = call("first", SHA, "record --profile h200", "record --profile h100", CARD=card)
         assert r.returncode == 3 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    r = call("first", "abc", "record --profile h200", CARD="NVIDIA H100 80GB HBM3")  # no H100 chain given
+    r = call("first", SHA, "record --profile h200", CARD="NVIDIA H100 80GB HBM3")  # no H100 chain given
     assert r.returncode == 3 and "no chain for this card" in r.stderr
-    r = call("first", "abc", "record 'x' --profile h200", CARD="NVIDIA H200")
+    r = call("first", SHA, "record 'x' --profile h200", CARD="NVIDIA H200")
     assert r.returncode == 2 and "single quotes" in r.stderr
-    for args in ([], ["first", "abc"], ["next", "extra"], ["start"]):
+    r = call("first", SHA[:7], "record --profile h200", CARD="NVIDIA H200")  # records need the full id
+    assert r.returncode == 2 and "full 40-digit commit id" in r.stderr
+    for args in ([], ["first", SHA], ["next", "extra"], ["start"]):
         r = call(*args)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
     assert call("next").returncode == 2  # no job was started: device-job.sh knows none
