@@ -28,7 +28,7 @@
 #          eager_tokens: 16, max_seq_len: 1024, torch_compile: true, torch_profile: true, peer: true, rel_tol: 0.15}
 # timeout: 1800
 # cell_timeout: 1200
-# gpu_memory_gib: 32  # on its GPU profiles: one seen at 28 GiB beside others on an H100
+# gpu_memory_gib: 32  # on its GPU profiles: the MLA and MoE shapes, compiled; records keep each run's peak
 # ```
 
 # %% tags=["parameters"]

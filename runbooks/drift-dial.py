@@ -40,7 +40,7 @@
 #               ft_batch_size: null, eval_prompts: 8}
 # timeout: 3600
 # cell_timeout: 3000
-# gpu_memory_gib: 24  # on its GPU profiles: targets trained further, drafters fine-tuned
+# gpu_memory_gib: 32  # on its GPU profiles: targets trained further, drafters fine-tuned, the dsv3 family the larger; records keep each run's peak
 # ```
 
 # %% tags=["parameters"]

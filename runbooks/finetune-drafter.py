@@ -30,7 +30,7 @@
 #                     chain_steps: 3}
 # timeout: 3600
 # cell_timeout: 3000
-# gpu_memory_gib: 16  # on its GPU profiles: train-drafter's preset, fine-tuning
+# gpu_memory_gib: 28  # on its GPU profiles: train-drafter's preset on either family, fine-tuning; records keep each run's peak
 # ```
 
 # %% tags=["parameters"]

@@ -31,7 +31,7 @@
 #                     sample_counts: [50000, 100000, 200000], chain_steps: 3}
 # timeout: 5400
 # cell_timeout: 5000
-# gpu_memory_gib: 16  # on its GPU profiles: one seen at 12.9 GiB: train-drafter's preset
+# gpu_memory_gib: 28  # on its GPU profiles: train-drafter's preset on either family; records keep each run's peak
 # ```
 
 # %% tags=["parameters"]

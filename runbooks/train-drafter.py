@@ -28,7 +28,7 @@
 #   h200.dsv3: {preset: gpu, device: cuda}
 # timeout: 3600
 # cell_timeout: 3000
-# gpu_memory_gib: 16  # on its GPU profiles: one seen at 12.7 GiB (a batch of 16 sequences of 512)
+# gpu_memory_gib: 28  # on its GPU profiles: the dsv3 target's hidden states beside the drafter's training; records keep each run's peak
 # ```
 
 # %% tags=["parameters"]

@@ -34,7 +34,7 @@
 #   h200.dsv3: {preset: gpu, device: cuda, family: deepseek_v3}
 # timeout: 3600
 # cell_timeout: 3000
-# gpu_memory_gib: 24  # on its GPU profiles: targets of ~169M parameters trained at 32 x 512 tokens
+# gpu_memory_gib: 32  # on its GPU profiles: the dsv3 family's MoE target is the larger; records keep each run's peak (gpu_peak_gib)
 # ```
 
 # %% tags=["parameters"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from specbook import SpecbookError, provenance, runbooks
+from specbook import SpecbookError, provenance, records, runbooks
 from specbook_testing import make_repo, runbook_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,3 +97,17 @@ def test_a_machine_of_same_parameters_runs_the_other_profiles_recorded_apart(tmp
     configure(root, '[tool.specbook.same_parameters]\nh100 = "../h200"\n')
     with pytest.raises(SpecbookError, match="same_parameters"):
         runbooks.load(root, "up")
+
+
+@pytest.mark.content
+def test_every_runbook_declares_the_gpu_memory_its_records_saw():
+    """The scheduler packs a GPU by the headers' gpu_memory_gib: a header under a peak a record kept (gpu_peak_gib)
+    would put runbooks beside each other on a card that cannot hold them."""
+    short = []
+    for name, rf in records.load_all(ROOT).items():
+        declared = runbooks.load(ROOT, name).gpu_memory_gib
+        for profile, entry in rf.data.get("profiles", {}).items():
+            peaks = [r["provenance"].get("gpu_peak_gib") or 0 for r in entry.get("runs", [])]
+            if peaks and max(peaks) > declared:
+                short.append(f"{name}/{profile}: peak {max(peaks)} GiB, header {declared:g}")
+    assert not short, short
