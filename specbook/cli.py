@@ -603,7 +603,8 @@ def _refresh_docs(root: Path, ran: list[str]) -> None:
               "that times something has its GPU to itself (with the timing lock: while it times, and two share one); "
               "up to 3 whose numbers are all exact share one.")
 @click.option("--plan", "plan_only", is_flag=True, help="Run nothing: list what would be re-measured, the wall "
-              "time of each runbook's recorded run and the estimated wall time on --gpus. With --profile it plans "
+              "time of each runbook's recorded run (marked stale where that run was made with other code or "
+              "parameters) and the estimated wall time on --gpus. With --profile it plans "
               "for that profile's machine, e.g. an h200 verify from a laptop (--gpus N: N such GPUs); with several, "
               "their runbooks in one schedule, as the verify would run them.")
 @click.option("--save", is_flag=True, help="Write each re-measured number's verdict (state, date, machine, commit) "
@@ -702,7 +703,8 @@ def _print_plan(root: Path, machine: str, names: list[str] | None, profiles: lis
             raise SpecbookError(f"--gpus {gpus}: give all, a count or ids")
     planned, wall, total = plan(root, machine, names, profiles, ids)
     rows = [[x.runbook, x.profile, "shared" if x.shares_gpu else "alone",
-             "-" if x.seconds is None else f"{x.seconds / 60:.1f} min" + (" (cells)" if x.timed == "cells" else ""),
+             "-" if x.seconds is None else f"{x.seconds / 60:.1f} min" + (" (cells)" if x.timed == "cells" else "")
+             + (" (stale)" if x.stale else ""),
              ", ".join(x.after) or "-"] for x in planned]
     unknown = [x.runbook for x in planned if x.seconds is None]
     cells = [x.runbook for x in planned if x.timed == "cells"]
@@ -714,6 +716,9 @@ def _print_plan(root: Path, machine: str, names: list[str] | None, profiles: lis
     if cells:
         text += (f"\n(cells): recorded before runs kept their wall time, so only the cells count, not the process "
                  f"and kernel starts: {', '.join(cells)}")
+    if any(x.stale for x in planned):
+        text += ("\n(stale): the record was made with other code, parameters or inputs; the time is that run's, and "
+                 "today's may differ either way")
     if unknown:
         text += f"\nno executed notebook (counted as 0): {', '.join(unknown)}"
     _emit(as_json, {"machine": machine, "gpus": ids, "plan": [asdict(x) for x in planned], "estimate_s": wall,

@@ -323,6 +323,7 @@ class Planned:
     seconds: float | None  # the recorded run's wall time, else its executed notebook's cell time; None: neither
     after: list[str]  # runbooks (same profile) it waits for
     timed: str = "run"  # what `seconds` is: "run" (the whole run), "cells" (cells only: an older record), "none"
+    stale: bool = False  # its record was made with other code, parameters or inputs: `seconds` is that run's time
 
 
 def recorded_seconds(root: Path, name: str, profile: str, prof: dict) -> tuple[float | None, str]:
@@ -344,10 +345,11 @@ def plan(root: Path, here: str, names: list[str] | None = None, profile: str | S
     todo = by_profile([g for g in _groups(root, here, names, profile) if isinstance(g, tuple)], profile)
     keys = {(n, p) for n, p, _, _ in todo}
     out = []
-    for n, p, prof, _ in todo:
+    for n, p, prof, static in todo:
         seconds, timed = recorded_seconds(root, n, p, prof)
         out.append(Planned(n, p, not _times(prof), seconds,
-                           [d for d in target(root, n, p).upstream if (d, p) in keys], timed))
+                           [d for d in target(root, n, p).upstream if (d, p) in keys], timed,
+                           any(v.state == STALE for v in static)))
     seconds = {f"{x.runbook}/{x.profile}": x.seconds or 0.0 for x in out}
     total = sum(seconds.values())
     if not gpus:

@@ -13,7 +13,7 @@ import yaml
 
 from specbook.parallel import Job, chain_lengths, estimate, schedule
 from specbook.verify import FRESH, verify
-from specbook_testing import cli, make_repo, runbook_text
+from specbook_testing import cli, make_repo, runbook_text, write_runbook
 
 
 def _job(name: str, *after: str) -> Job:
@@ -166,6 +166,13 @@ def test_verify_plan_lists_what_would_run_and_runs_nothing(tmp_path):
     (root / "baselines" / "up.yaml").write_text(yaml.safe_dump(rec))
     r = cli(root, "verify", "--plan")
     assert r.exit_code == 0 and "(cells)" in r.stdout and "up" in r.stdout.split("(cells):")[1]
+    assert "(stale)" not in r.stdout and not any(x["stale"] for x in d["plan"])
+    # a record made with other code: its time is that run's, which the plan says beside it (down, downstream of
+    # up, is stale with it)
+    write_runbook(root, "up", runbook_text(body=exact.replace("3", "4")))
+    d = json.loads(cli(root, "verify", "--plan", "--json").stdout)
+    assert {x["runbook"]: x["stale"] for x in d["plan"]} == {"up": True, "down": True}
+    assert "(stale)" in cli(root, "verify", "--plan").stdout
 
 
 def test_verify_plan_of_a_variant_profile_plans_for_its_machine(tmp_path):
