@@ -45,6 +45,10 @@ BAD_ARGUMENTS = [
     ("bench-moe-decode.py", ["--tokens", "0"], "--tokens"),
     ("bench-moe-decode.py", ["--shape", "llama-3.1-8b"], "--shape"),  # not an MoE shape
     ("bench-moe-decode.py", ["--samples", "2"], "--samples"),
+    ("ab-regen.py", ["--family", "llama,gpt2"], "--family"),
+    ("ab-regen.py", ["--preset", "huge"], "unknown training preset 'huge'"),
+    ("ab-regen.py", ["--samples", "0"], "--samples"),
+    ("ab-regen.py", ["--rounds", "0"], "--rounds"),
 ]
 
 
@@ -68,7 +72,8 @@ def test_ab_kernels_bad_old_directory_exits_2(tmp_path):
 @pytest.mark.parametrize("script,args", [("ab-decode.py", ["--b", "fuse_merge=false"]),
                                          ("ab-kernels.py", ["--old", OLD]),
                                          ("bench-gemv.py", ["--shape", "llama-3.2-1b"]),
-                                         ("bench-moe-decode.py", ["--tokens", "1"])])
+                                         ("bench-moe-decode.py", ["--tokens", "1"]),
+                                         ("ab-regen.py", [])])
 def test_no_gpu_exits_3(script, args, tmp_path):
     (tmp_path / "decode_attention.py").write_text((ROOT / "engine" / "decode_attention.py").read_text())
     r = run(script, *[str(tmp_path) if a == OLD else a for a in args])

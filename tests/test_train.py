@@ -357,6 +357,53 @@ def test_regenerated_samples_are_the_targets_greedy_answers(world):
         assert g.token_ids == row[16:].tolist()
 
 
+def sensitive_model(cfg: ModelConfig, device: str = "cpu", dtype: str = "float32"):
+    model = random_model(cfg, device, dtype, seed=3)
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if w.dim() > 1 and "embed" not in name:
+                w.mul_(8)
+    return model
+
+
+def windows_continued(target, seqs, run: DrafterRun, cuda_graphs: bool = True):
+    """regenerate's windows (the prompts of seqs) continued by greedy_continue, in regenerate's batches."""
+    prompts = seqs[:, :run.seq_len - run.regen_tokens]
+    dev = target.device
+    out = torch.cat([D.greedy_continue(target, p.to(dev), run.regen_tokens, cuda_graphs).cpu()
+                     for p in prompts.split(run.regen_batch)])
+    target.drop_caches()
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+@pytest.mark.parametrize("regen_tokens", [1, 2, 9])  # 1 and 2: too short for a capture's two warm-up steps
+def test_greedy_continue_gives_regenerates_tokens(world, family, regen_tokens):
+    """The captured regeneration path (scripts/ab-regen.py's B) continues regenerate's windows with the same
+    tokens; on a CPU it runs eagerly, so what it adds is the static-buffer bookkeeping: positions, the output index,
+    the reset after a capture's warm-up. Random weights, scaled up so that every token and position moves the
+    argmax (at N(0, 0.02) a tiny model's answer hardly depends on its input)."""
+    target = sensitive_model(tiny_config(world["tok"].get_vocab_size(), family))
+    stream = torch.randint(0, target.cfg.vocab_size, (4000,), generator=torch.Generator().manual_seed(0))
+    run = drafter_run(samples=5, seq_len=20, regen_tokens=regen_tokens, regen_batch=2)
+    seqs = D.regenerate(target, stream, run)
+    assert len({tuple(r) for r in seqs[:, -regen_tokens:].tolist()}) > 1  # rows of their own, not one loop
+    assert torch.equal(windows_continued(target, seqs, run), seqs)
+    with pytest.raises(EngineError, match="new_tokens"):
+        D.greedy_continue(target, seqs[:1, :4], 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_captured_regeneration_equals_the_eager_one_on_cuda(world, family):
+    target = sensitive_model(tiny_config(world["tok"].get_vocab_size(), family), "cuda", "bfloat16")
+    stream = torch.randint(0, target.cfg.vocab_size, (4000,), generator=torch.Generator().manual_seed(0))
+    run = drafter_run(samples=6, seq_len=40, regen_tokens=16, regen_batch=4)
+    seqs = D.regenerate(target, stream, run)
+    assert torch.equal(windows_continued(target, seqs, run, cuda_graphs=True), seqs)
+
+
 def test_drafter_training_lowers_loss_and_saves_the_published_format(world, tmp_path):
     r = D.train_drafter(tmp_path / "d", drafter_run(), world["target"].path)
     loss = r.log.history["loss"]

@@ -229,6 +229,49 @@ def regenerate(target: Transformer, stream: torch.Tensor, run: DrafterRun) -> to
     return torch.cat(out)
 
 
+@torch.no_grad()
+def greedy_continue(target: Transformer, x: torch.Tensor, new_tokens: int, cuda_graphs: bool = True
+                    ) -> torch.Tensor:
+    """x [B, L] (on the target's device) continued by the target's greedy answer -> [B, L + new_tokens]: the same
+    forwards as `regenerate`'s loop, but each step after the prefill is one replay of a CUDA graph over static
+    buffers (on a GPU, with cuda_graphs; eager elsewhere), so no step waits for Python or for a position copied
+    from the host. The caches are left set up, as after `regenerate`'s chunks; drop them when done.
+
+    Not yet `regenerate`'s path: scripts/ab-regen.py times both and compares their tokens on a lent GPU first."""
+    from engine.graphs import CapturedCall  # the training modules' one use of the engine's graphs
+
+    if new_tokens < 1:
+        raise EngineError(f"new_tokens must be at least 1, got {new_tokens}")
+    B, L = x.shape
+    dev = x.device
+    target.setup_caches(L + new_tokens, batch_size=B)
+    with autocast(dev):
+        logits, _ = target(x, torch.arange(L, device=dev), last_logits_only=True)
+    out = torch.zeros(B, new_tokens + 2, dtype=torch.long, device=dev)  # + room for the capture's warm-up steps
+    out[:, 0] = logits[:, -1].argmax(-1)
+    state = {"token": out[:, :1].clone(), "input_pos": torch.full((1,), L, device=dev),
+             "idx": torch.ones(1, dtype=torch.long, device=dev), "out": out}
+
+    def step(token, input_pos, idx, out):
+        with autocast(dev):
+            logits, _ = target(token, input_pos)
+        nxt = logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+        out.index_copy_(1, idx, nxt)
+        token.copy_(nxt)
+        input_pos.add_(1)
+        idx.add_(1)
+
+    # A capture first runs the step twice (its warm-up), writing cache slots L and L + 1 as the first real steps
+    # will again: so only a cache longer than that is captured, and the buffers start over after it.
+    call = CapturedCall(step, state, enabled=cuda_graphs and new_tokens > 2)
+    state["token"].copy_(out[:, :1])
+    state["input_pos"].fill_(L)
+    state["idx"].fill_(1)
+    for _ in range(new_tokens - 1):
+        call()
+    return torch.cat([x, out[:, :new_tokens]], 1)
+
+
 def _frozen_target(target_dir: Path, dev: torch.device) -> Transformer:
     """The target as drafter training reads it: bf16 on CUDA, float32 elsewhere, no gradients."""
     target = load_model(target_dir, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
