@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
-"""A/B of the drafter's data regeneration: `engine.train.drafter.regenerate` (A: eager, one Python step per token,
-its position copied from the host each step) against the same windows continued by `greedy_continue` (B: each step
-one replay of a CUDA graph), on a preset's target shape with random weights, interleaved in one process and judged
-by the paired 2-of-3 rule; and whether the two give the same tokens. Regeneration is a large share of a GPU drafter
-training (train-drafter's progress bar shows it), so this decides whether `regenerate` takes the captured path.
+"""A/B of the drafter's data regeneration: `engine.train.drafter.regenerate` with cuda_graphs=False (A: eager, one
+Python step per token) against its default (B: each step after the prefill one replay of a CUDA graph), on a preset's
+target shape with random weights, interleaved in one process and judged by the paired 2-of-3 rule; and whether the
+two give the same tokens. Regeneration is a large share of a GPU drafter training (train-drafter's progress bar
+shows it): this is the measurement behind the captured default, to repeat on a new card or torch.
 
     python scripts/ab-regen.py [--preset gpu] [--family llama,deepseek_v3] [--samples 512] [--rounds 2]
         [--tolerance 0.02] [--expect not-slower|faster|same] [--json]
 
 A sample is one regeneration of --samples sequences (the preset drafter run's seq_len, regen_tokens and regen_batch)
 from windows of a random token stream: no corpus, no training. The output is a measurement to decide with, not a
-record; a B that changes tokens is reported (`same_tokens`), and switching to it would change every training's data.
+record; a B that changes tokens is reported (`same_tokens`): the captured default would then change every training's
+data.
 
 Exit: 0 B's verdict is one --expect names for every family (default: not slower) and its tokens equal A's; 1 not;
 2 bad arguments; 3 no CUDA device here.
@@ -32,8 +33,7 @@ import torch  # noqa: E402
 from engine.abtest import ab  # noqa: E402
 from engine.errors import EngineError  # noqa: E402
 from engine.loading import random_model  # noqa: E402
-from engine.train.data import random_windows  # noqa: E402
-from engine.train.drafter import greedy_continue, regenerate  # noqa: E402
+from engine.train.drafter import regenerate  # noqa: E402
 from engine.train.presets import FAMILIES, get_preset, target_config, with_overrides  # noqa: E402
 from gpu_bench import B_FAILS, NO_CUDA, add_ab_options, check_ab_options, cuda_missing, judged  # noqa: E402
 
@@ -67,17 +67,13 @@ def family_ab(a: argparse.Namespace, family: str, dev: torch.device) -> dict:
     preset, run = get_preset(a.preset), a.run
     target = random_model(target_config(preset, family), dev, torch.bfloat16, seed=0).requires_grad_(False)
     stream = torch.randint(0, preset.vocab_size, (1 << 20,), generator=torch.Generator().manual_seed(0))
-    windows = random_windows(stream, run.samples, run.seq_len - run.regen_tokens,
-                             torch.Generator().manual_seed(run.seed))  # regenerate's own windows
     got = {}
 
     def eager():
-        got["A"] = regenerate(target, stream, run)
+        got["A"] = regenerate(target, stream, run, cuda_graphs=False)
 
     def captured():
-        got["B"] = torch.cat([greedy_continue(target, w.to(dev), run.regen_tokens).cpu()
-                              for w in windows.split(run.regen_batch)])
-        target.drop_caches()
+        got["B"] = regenerate(target, stream, run)
 
     samples = ab(eager, captured, dev, rounds=a.rounds, warmup=1)
     out, code = judged(samples, a.tolerance, a.expect)

@@ -24,6 +24,7 @@ from engine.drafter import new_drafter, save_drafter
 from engine.errors import EngineError
 from engine.loading import load_model, random_model
 from engine.train import corpus, loop
+from engine.train.data import random_windows
 from engine.train import drafter as D
 from engine.train.presets import DrafterRun, TargetRun, target_config, with_overrides, get_preset
 from engine.train.layout import DrafterOutputs, TargetOutputs, trained_pair_dirs
@@ -343,20 +344,6 @@ def drafter_run(**kw) -> DrafterRun:
                                 ckpt_every=10), **kw})
 
 
-def test_regenerated_samples_are_the_targets_greedy_answers(world):
-    from engine.target_decoder import TargetDecoder
-    from engine.train.data import token_stream
-
-    target = load_model(world["target"].path)
-    stream = token_stream(world["tok"], corpus.texts("A", "train", 10**9))
-    seqs = D.regenerate(target, stream, drafter_run(samples=5, seq_len=24, regen_tokens=8, regen_batch=2))
-    assert seqs.shape == (5, 24)
-    for row in seqs[[0, 4]]:  # a full batch and the last, smaller one
-        g = TargetDecoder(target, 64, cuda_graphs=False).generate(row[:16].tolist(), 8)
-        target.drop_caches()
-        assert g.token_ids == row[16:].tolist()
-
-
 def sensitive_model(cfg: ModelConfig, device: str = "cpu", dtype: str = "float32"):
     model = random_model(cfg, device, dtype, seed=3)
     with torch.no_grad():
@@ -366,29 +353,26 @@ def sensitive_model(cfg: ModelConfig, device: str = "cpu", dtype: str = "float32
     return model
 
 
-def windows_continued(target, seqs, run: DrafterRun, cuda_graphs: bool = True):
-    """regenerate's windows (the prompts of seqs) continued by greedy_continue, in regenerate's batches."""
-    prompts = seqs[:, :run.seq_len - run.regen_tokens]
-    dev = target.device
-    out = torch.cat([D.greedy_continue(target, p.to(dev), run.regen_tokens, cuda_graphs).cpu()
-                     for p in prompts.split(run.regen_batch)])
-    target.drop_caches()
-    return out
-
-
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
 @pytest.mark.parametrize("regen_tokens", [1, 2, 9])  # 1 and 2: too short for a capture's two warm-up steps
-def test_greedy_continue_gives_regenerates_tokens(world, family, regen_tokens):
-    """The captured regeneration path (scripts/ab-regen.py's B) continues regenerate's windows with the same
-    tokens; on a CPU it runs eagerly, so what it adds is the static-buffer bookkeeping: positions, the output index,
-    the reset after a capture's warm-up. Random weights, scaled up so that every token and position moves the
-    argmax (at N(0, 0.02) a tiny model's answer hardly depends on its input)."""
+def test_regeneration_continues_each_window_with_the_targets_greedy_answer(world, family, regen_tokens):
+    """Each row: regenerate's seeded corpus window, then the target's own greedy answer as the engine's decoder
+    gives it one sequence at a time, also for the last, smaller batch. Random weights, scaled up so that every
+    token and position moves the argmax (at N(0, 0.02) a tiny model's answer hardly depends on its input)."""
+    from engine.target_decoder import TargetDecoder
+
     target = sensitive_model(tiny_config(world["tok"].get_vocab_size(), family))
     stream = torch.randint(0, target.cfg.vocab_size, (4000,), generator=torch.Generator().manual_seed(0))
     run = drafter_run(samples=5, seq_len=20, regen_tokens=regen_tokens, regen_batch=2)
+    prompt_len = run.seq_len - regen_tokens
     seqs = D.regenerate(target, stream, run)
-    assert len({tuple(r) for r in seqs[:, -regen_tokens:].tolist()}) > 1  # rows of their own, not one loop
-    assert torch.equal(windows_continued(target, seqs, run), seqs)
+    assert torch.equal(seqs[:, :prompt_len],
+                       random_windows(stream, run.samples, prompt_len, torch.Generator().manual_seed(run.seed)))
+    assert len({tuple(r) for r in seqs[:, prompt_len:].tolist()}) > 1  # rows of their own, not one loop
+    for row in seqs:
+        got = TargetDecoder(target, 64, cuda_graphs=False).generate(row[:prompt_len].tolist(), regen_tokens)
+        target.drop_caches()
+        assert got.token_ids == row[prompt_len:].tolist()
     with pytest.raises(EngineError, match="new_tokens"):
         D.greedy_continue(target, seqs[:1, :4], 0)
 
@@ -400,8 +384,7 @@ def test_captured_regeneration_equals_the_eager_one_on_cuda(world, family):
     target = sensitive_model(tiny_config(world["tok"].get_vocab_size(), family), "cuda", "bfloat16")
     stream = torch.randint(0, target.cfg.vocab_size, (4000,), generator=torch.Generator().manual_seed(0))
     run = drafter_run(samples=6, seq_len=40, regen_tokens=16, regen_batch=4)
-    seqs = D.regenerate(target, stream, run)
-    assert torch.equal(windows_continued(target, seqs, run, cuda_graphs=True), seqs)
+    assert torch.equal(D.regenerate(target, stream, run), D.regenerate(target, stream, run, cuda_graphs=False))
 
 
 def test_drafter_training_lowers_loss_and_saves_the_published_format(world, tmp_path):

@@ -201,10 +201,12 @@ def check_pair(target_dir: Path, drafter_dir: Path) -> None:
 
 
 @torch.no_grad()
-def regenerate(target: Transformer, stream: torch.Tensor, run: DrafterRun) -> torch.Tensor:
+def regenerate(target: Transformer, stream: torch.Tensor, run: DrafterRun, cuda_graphs: bool = True) -> torch.Tensor:
     """[run.samples, run.seq_len] training sequences: a corpus window of seq_len - regen_tokens tokens continued by
     the target's own greedy answer, as EAGLE and SpecForge regenerate their data with the target - the drafter
-    learns what the target says, not what the corpus says (they differ most where a small target loops)."""
+    learns what the target says, not what the corpus says (they differ most where a small target loops).
+    Each batch of run.regen_batch windows is one `greedy_continue` (its steps CUDA-graph replays on a GPU with
+    cuda_graphs; scripts/ab-regen.py times that against cuda_graphs=False and compares the tokens)."""
     if run.samples <= 0:
         raise EngineError(f"the number of training samples must be positive, got {run.samples}")
     if not 0 <= run.regen_tokens < run.seq_len:
@@ -213,18 +215,8 @@ def regenerate(target: Transformer, stream: torch.Tensor, run: DrafterRun) -> to
     seqs = random_windows(stream, run.samples, prompt_len, torch.Generator().manual_seed(run.seed))
     if run.regen_tokens == 0:
         return seqs
-    dev = target.device
-    out = []
-    for chunk in tqdm(seqs.split(run.regen_batch), desc="regenerating with the target", mininterval=2.0):
-        x = chunk.to(dev)
-        target.setup_caches(run.seq_len, batch_size=x.shape[0])
-        with autocast(dev):
-            logits, _ = target(x, torch.arange(prompt_len, device=dev), last_logits_only=True)
-            new = [logits[:, -1].argmax(-1)]
-            for pos in range(prompt_len, run.seq_len - 1):
-                logits, _ = target(new[-1][:, None], torch.tensor([pos], device=dev))
-                new.append(logits[:, -1].argmax(-1))
-        out.append(torch.cat([x, torch.stack(new, 1)], 1).cpu())
+    out = [greedy_continue(target, chunk.to(target.device), run.regen_tokens, cuda_graphs).cpu()
+           for chunk in tqdm(seqs.split(run.regen_batch), desc="regenerating with the target", mininterval=2.0)]
     target.drop_caches()
     return torch.cat(out)
 
@@ -232,12 +224,10 @@ def regenerate(target: Transformer, stream: torch.Tensor, run: DrafterRun) -> to
 @torch.no_grad()
 def greedy_continue(target: Transformer, x: torch.Tensor, new_tokens: int, cuda_graphs: bool = True
                     ) -> torch.Tensor:
-    """x [B, L] (on the target's device) continued by the target's greedy answer -> [B, L + new_tokens]: the same
-    forwards as `regenerate`'s loop, but each step after the prefill is one replay of a CUDA graph over static
-    buffers (on a GPU, with cuda_graphs; eager elsewhere), so no step waits for Python or for a position copied
-    from the host. The caches are left set up, as after `regenerate`'s chunks; drop them when done.
-
-    Not yet `regenerate`'s path: scripts/ab-regen.py times both and compares their tokens on a lent GPU first."""
+    """x [B, L] (on the target's device) continued by the target's greedy answer -> [B, L + new_tokens]: a prefill,
+    then one forward per token; each step after the prefill is one replay of a CUDA graph over static buffers (on
+    a GPU, with cuda_graphs; eager elsewhere), so no step waits for Python or for a position copied from the host.
+    The caches are left set up; drop them when done (`regenerate` does, after its last batch)."""
     from engine.graphs import CapturedCall  # the training modules' one use of the engine's graphs
 
     if new_tokens < 1:
