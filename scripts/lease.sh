@@ -6,6 +6,10 @@
 #                                                            detached job (scripts/device-job.sh), then wait for it
 #   scripts/lease.sh next                                    each following call (within the machine's idle release):
 #                                                            wait for the same job again
+#   scripts/lease.sh more 'CHAIN'                            once the job ended, with device time left: run CHAIN as a
+#                                                            job of its own in the same tree, so that it finds what
+#                                                            the chains before it trained (a dependency recorded
+#                                                            there is not trained again); `next` then waits for it
 #
 # A CHAIN is one GPU's `runbook` commands separated by ';' (scripts/gpu-runbooks.sh), without single quotes, e.g.
 # 'record --profile h200' or 'record drift-dial --profile h100.dsv3'. SHA is the full commit id the tree was sent at
@@ -16,22 +20,31 @@
 # newly started machine would).
 #
 # Exit: the job's exit code once it ended; 124 while it still runs; 3 when the card is neither an H200 nor an H100
-# with a chain; 2 for bad arguments.
+# with a chain; 2 for bad arguments, or `more` while a job runs or before `first`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-usage() { echo "usage: $0 first SHA 'H200 CHAIN' ['H100 CHAIN'] | next  (with OUT set)" >&2; exit 2; }
+usage() { echo "usage: $0 first SHA 'H200 CHAIN' ['H100 CHAIN'] | next | more 'CHAIN'  (with OUT set)" >&2; exit 2; }
 [ -n "${OUT:-}" ] || { echo "set OUT to the folder whose files come back from the call" >&2; exit 2; }
 name=${JOB:-rec} wait_s=${WAIT:-555}
 dir=/tmp/job-$name
 
-# What the job recorded so far, and its output, into $OUT; then the job's state as this script's exit code.
+# The job a call waits for: NAME's first chain, or the last one `more` started (NAME-2, NAME-3, ...). Every chain
+# runs in the first one's tree (/tmp/job-NAME/tree): its records and trained outputs accumulate there.
+state=/tmp/job-$name.lease  # lines: the commit id, then the current job's name
+current() { sed -n 2p "$state" 2>/dev/null; }
+
+# What the chains recorded so far, and the current job's output, into $OUT; then its state as this script's exit code.
 collect() {
   local rc=$1
   if [ -d "$dir/tree" ]; then
     (cd "$dir/tree" && tar czf "$OUT/partial.tgz" baselines docs/runbooks/executed logs 2>/dev/null)
-    cp -a "$dir/out/." "$OUT/" 2>/dev/null
+    cp -a "/tmp/job-$(current)/out/." "$OUT/" 2>/dev/null
   fi
   exit "$rc"
+}
+
+check_chain() {
+  case $1 in *"'"*) echo "a chain holds no single quotes: $1" >&2; exit 2 ;; esac
 }
 
 case ${1:-} in
@@ -46,16 +59,37 @@ case ${1:-} in
       *) chain= ;;
     esac
     [ -n "$chain" ] || { echo "no chain for this card (${card:-no GPU found})" >&2; exit 3; }
-    case $chain in *"'"*) echo "a chain holds no single quotes: $chain" >&2; exit 2 ;; esac
+    check_chain "$chain"
     echo "card: $card; chain: $chain"
     scripts/device-job.sh start "$name" "export SPECBOOK_GIT_COMMIT=$sha; mkdir -p $dir/out; \
 FRESH=${FRESH:-0} OUT=$dir/out scripts/gpu-runbooks.sh '$chain'" || exit $?
+    printf '%s\n%s\n' "$sha" "$name" > "$state"
     scripts/device-job.sh wait "$name" "$wait_s"
     collect $?
     ;;
   next)
     [ "$#" -eq 1 ] || usage
-    scripts/device-job.sh wait "$name" "$wait_s"
+    [ -n "$(current)" ] || { echo "no lease job here: start one with $0 first" >&2; exit 2; }
+    scripts/device-job.sh wait "$(current)" "$wait_s"
+    collect $?
+    ;;
+  more)
+    [ "$#" -eq 2 ] || usage
+    check_chain "$2"
+    job=$(current)
+    [ -n "$job" ] || { echo "no lease job here: start one with $0 first" >&2; exit 2; }
+    [ -e "/tmp/job-$job/rc" ] || { echo "job $job still runs: wait for it with $0 next" >&2; exit 2; }
+    n=2
+    while [ -e "/tmp/job-$name-$n" ]; do n=$((n + 1)); done
+    new=$name-$n
+    # device-job.sh copies the directory it starts in: an empty one, since the chain runs in the first one's tree
+    here=$PWD
+    mkdir -p "/tmp/job-$name.empty" && cd "/tmp/job-$name.empty" || exit 2
+    "$here/scripts/device-job.sh" start "$new" "export SPECBOOK_GIT_COMMIT=$(sed -n 1p "$state"); \
+mkdir -p /tmp/job-$new/out; cd $dir/tree && FRESH=0 OUT=/tmp/job-$new/out scripts/gpu-runbooks.sh '$2'" || exit $?
+    cd "$here" || exit 2
+    printf '%s\n%s\n' "$(sed -n 1p "$state")" "$new" > "$state"
+    scripts/device-job.sh wait "$new" "$wait_s"
     collect $?
     ;;
   *) usage ;;

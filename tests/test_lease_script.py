@@ -50,7 +50,8 @@ def lease(tmp_path):
                               capture_output=True, text=True, timeout=60)
 
     yield call, out, tmp_path / "release"
-    shutil.rmtree(f"/tmp/job-{job}", ignore_errors=True)
+    for path in Path("/tmp").glob(f"job-{job}*"):
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink()
 
 
 def packed(out: Path) -> set[str]:
@@ -75,6 +76,26 @@ def test_the_card_picks_the_chain_and_each_call_packs_what_was_recorded(lease, c
     assert "logs/gpu0.log" in packed(out)
 
 
+def test_more_runs_another_chain_in_the_first_ones_tree_once_it_ended(lease):
+    """Device time left after the chain: `more` records further runbooks where the first chain's outputs are, and
+    each call packs what every chain recorded so far."""
+    call, out, release = lease
+    r = call("first", SHA, "record train-drafter --profile h200", CARD="NVIDIA H200")
+    assert r.returncode == 124, r.stdout + r.stderr
+    r = call("more", "record baseline-eagle3 --profile h200")
+    assert r.returncode == 2 and "still runs" in r.stderr  # one chain at a time
+    release.touch()
+    assert call("next", WAIT="30").returncode == 5
+    r = call("more", "record baseline-eagle3 --profile h200", WAIT="30")
+    assert r.returncode == 5, r.stdout + r.stderr
+    assert (out / "gpu0.log").read_text().strip() == f"commit {SHA} fresh 0 chain record baseline-eagle3 --profile h200"
+    assert {"baselines/record_train_drafter___profile_h200.yaml",  # the stand-in's file per chain, both chains'
+            "baselines/record_baseline_eagle3___profile_h200.yaml"} <= packed(out)
+    r = call("next", WAIT="30")  # next waits for the chain `more` started
+    assert r.returncode == 5 and "chain record baseline-eagle3" in (out / "gpu0.log").read_text()
+    assert call("more", "record 'x' --profile h200").returncode == 2
+
+
 def test_no_chain_for_the_card_and_bad_input_exit_without_starting_a_job(lease):
     call, out, _ = lease
     for card in ("", "NVIDIA A100-SXM4-80GB"):
@@ -86,10 +107,12 @@ def test_no_chain_for_the_card_and_bad_input_exit_without_starting_a_job(lease):
     assert r.returncode == 2 and "single quotes" in r.stderr
     r = call("first", SHA[:7], "record --profile h200", CARD="NVIDIA H200")  # records need the full id
     assert r.returncode == 2 and "full 40-digit commit id" in r.stderr
-    for args in ([], ["first", SHA], ["next", "extra"], ["start"]):
+    for args in ([], ["first", SHA], ["next", "extra"], ["start"], ["more"], ["more", "a", "b"]):
         r = call(*args)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
-    assert call("next").returncode == 2  # no job was started: device-job.sh knows none
+    assert call("next").returncode == 2  # no job was started
+    r = call("more", "record --profile h200")
+    assert r.returncode == 2 and "no lease job here" in r.stderr
     assert not list(out.iterdir())
     r = call("next", OUT="")
     assert r.returncode == 2 and "set OUT" in r.stderr
